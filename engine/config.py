@@ -1,0 +1,178 @@
+"""Typed, frozen configuration for the model, the KV cache, the scheduler and the engine.
+
+Every config validates itself in ``__post_init__`` and raises ``ValueError`` naming the field and the
+limit, so a bad setting fails where it is made, not deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling. ``kind`` is "default", "linear" or "llama3" (Llama 3.1 style)."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"rope_scaling.kind must be one of default, linear, llama3, got {self.kind!r}"
+            )
+        _positive("rope_scaling.factor", self.factor)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the runtime needs to know about a Llama-family model.
+
+    ``architecture`` is one of SUPPORTED_ARCHITECTURES ("llama" also covers SmolLM). Weights are handed
+    to the runtime under Hugging Face names (``model.layers.0.self_attn.q_proj.weight`` ...), whatever
+    the file format was.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before rotary
+    sliding_window: int | None = None  # recorded; full attention is used (see README)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            _positive(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens for every layer.
+
+    ``num_blocks=None`` sizes the cache from ``kv_cache_memory_gb`` on CPU, or from measured free
+    memory times ``gpu_memory_utilization`` on CUDA.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        _positive("kv_cache_memory_gb", self.kv_cache_memory_gb)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: tokens per step and sequences per step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_waiting: int = 4096  # admission queue bound; add_request beyond it raises QueueFullError
+    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole remaining budget
+
+    def __post_init__(self) -> None:
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_waiting", self.max_waiting)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance needs. ``model`` is "default" or a path (GGUF file or HF dir)."""
+
+    model: str = "default"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available, else cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    show_progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, float16, bfloat16, got {self.dtype!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def with_overrides(self, **kwargs: Any) -> EngineConfig:
+        from dataclasses import replace
+
+        return replace(self, **kwargs)

@@ -1,0 +1,68 @@
+"""Entry points for the engine's hot paths. The model runtime calls only these.
+
+Each kernel family lives in its own file as a Triton kernel, a launcher that checks its inputs, and
+a plain-torch reference with the same signature. Dispatch: Triton on CUDA tensors, the references on
+CPU; ``ENGINE_KERNELS=triton|torch`` forces one (Triton on CPU tensors then needs TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import envs
+from engine.kernels.decode_attention import decode_attention_ref
+from engine.kernels.kv_copy import kv_gather_ref, kv_scatter_ref
+from engine.kernels.kv_store import kv_store_ref
+from engine.kernels.prefill_attention import prefill_attention_ref
+
+
+def use_triton(device: torch.device) -> bool:
+    backend = envs.kernel_backend()
+    if backend == "auto":
+        return device.type == "cuda"
+    return backend == "triton"
+
+
+def kv_store(key, value, k_cache, v_cache, slot_mapping) -> None:
+    if use_triton(key.device):
+        from engine.kernels.kv_store import kv_store_triton
+
+        return kv_store_triton(key, value, k_cache, v_cache, slot_mapping)
+    return kv_store_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, **kw):
+    if use_triton(q.device):
+        from engine.kernels.prefill_attention import prefill_attention_triton
+
+        return prefill_attention_triton(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, **kw
+        )
+    return prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, **kw)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
+    if use_triton(q.device):
+        from engine.kernels.decode_attention import decode_attention_triton
+
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw)
+
+
+def kv_gather(cache, block_ids, out):
+    if use_triton(cache.device):
+        from engine.kernels.kv_copy import kv_gather_triton
+
+        return kv_gather_triton(cache, block_ids, out)
+    return kv_gather_ref(cache, block_ids, out)
+
+
+def kv_scatter(src, block_ids, cache) -> None:
+    if use_triton(cache.device):
+        from engine.kernels.kv_copy import kv_scatter_triton
+
+        return kv_scatter_triton(src, block_ids, cache)
+    return kv_scatter_ref(src, block_ids, cache)
+
+
+__all__ = ["kv_store", "prefill_attention", "decode_attention", "kv_gather", "kv_scatter", "use_triton"]

@@ -1,0 +1,55 @@
+"""What the engine hands back: one RequestOutput per request per step while it streams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # Top-n alternatives at this position: token id -> logprob (includes the chosen one if in top-n).
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. ``text``/``token_ids`` are cumulative; ``new_*`` hold this step's delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_computed_prompt_tokens: int = 0  # prompt tokens this engine actually ran through the model
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,109 @@
+"""Per-request sampling parameters, validated where they are made (vLLM's names and ranges)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. ``temperature == 0`` means greedy.
+
+    Invalid values raise ``ValueError`` naming the field and its limit.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return besides the chosen token's
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        # Accept lists/str for convenience, store tuples so the object stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, limit: str, value) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {limit}, got {value!r}")
+
+        def is_num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        check(is_int(self.n) and self.n >= 1, "n", ">= 1", self.n)
+        check(
+            is_num(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "a finite number >= 0",
+            self.temperature,
+        )
+        check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        check(
+            is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            "-1, 0 (disabled) or >= 1",
+            self.top_k,
+        )
+        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        check(
+            is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "> 0",
+            self.repetition_penalty,
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(is_num(value) and -2.0 <= value <= 2.0, name, "in [-2, 2]", value)
+        check(self.seed is None or is_int(self.seed), "seed", "an integer or None", self.seed)
+        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
+        check(
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"in [0, max_tokens={self.max_tokens}]",
+            self.min_tokens,
+        )
+        check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "a list of non-empty strings",
+            self.stop,
+        )
+        check(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of token ids >= 0",
+            self.stop_token_ids,
+        )
+        check(
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            "None or in [0, 20]",
+            self.logprobs,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
