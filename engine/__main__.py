@@ -1,0 +1,5 @@
+import sys
+
+from engine.server.cli import main
+
+sys.exit(main())

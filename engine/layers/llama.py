@@ -1,0 +1,156 @@
+"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM.
+
+One definition covers them all; the differences are config flags. The model works on a flat batch
+of tokens (decodes first, then prefill chunks) and a paged KV cache bound per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.config import ModelConfig
+from engine.layers.attention import PagedAttention
+from engine.layers.attention_metadata import AttentionMetadata
+from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
+from engine.layers.rmsnorm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+LayerHook = Callable[[int], None]
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype, device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = rotary
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.q_size, self.kv_size = hq * d, hkv * d
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device
+        )
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, device)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+        self.attn = PagedAttention(hq, hkv, d)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t = hidden.shape[0]
+        x = self.input_layernorm(hidden)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        hidden = hidden + self.o_proj(o.view(t, self.q_size))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = torch.nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), False
+        )
+        rotary = RotaryEmbedding(
+            cfg.head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            torch.float32 if dtype == torch.float32 else dtype,
+            device,
+        )
+        self.rotary = rotary
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(cfg, rotary, dtype, device) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else torch.nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), False
+            )
+        )
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D]; each layer gets its views."""
+        for i, layer in enumerate(self.layers):
+            layer.attn.bind_cache(kv_cache[i, 0], kv_cache[i, 1])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Returns final hidden states [T, hidden]. ``layer_hook(i)`` runs after layer i wrote its
+        KV (the cluster streams that layer's KV from there)."""
+        hidden = self.embed_tokens[input_ids]
+        for i, layer in enumerate(self.layers):
+            hidden = layer(positions, hidden, meta)
+            if layer_hook is not None:
+                layer_hook(i)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head)
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor], source: str = "") -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. Missing or misshapen
+        tensors raise ValueError naming the tensor and the file."""
+        cfg = self.cfg
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"{source}: missing tensor {name!r}")
+            return weights[name]
+
+        def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(
+                    f"{source}: tensor {name!r} has shape {tuple(src.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(src)
+
+        put(self.embed_tokens, get("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        if not cfg.tie_word_embeddings:
+            put(self.lm_head, get("lm_head.weight"), "lm_head.weight")
+        put(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            for name, dst in (
+                ("input_layernorm.weight", layer.input_layernorm.weight),
+                ("post_attention_layernorm.weight", layer.post_attention_layernorm.weight),
+                ("self_attn.o_proj.weight", layer.o_proj.weight),
+                ("mlp.down_proj.weight", layer.mlp.down_proj.weight),
+            ):
+                put(dst, get(p + name), p + name)
+            sizes = [layer.q_size, layer.kv_size, layer.kv_size]
+            for dst, x in zip(layer.qkv_proj.weight.split(sizes), "qkv"):
+                put(dst, get(p + f"self_attn.{x}_proj.weight"), p + f"self_attn.{x}_proj.weight")
+            if cfg.attention_bias:
+                for dst, x in zip(layer.qkv_proj.bias.split(sizes), "qkv"):
+                    put(dst, get(p + f"self_attn.{x}_proj.bias"), p + f"self_attn.{x}_proj.bias")
+            if cfg.qk_norm:
+                put(layer.q_norm.weight, get(p + "self_attn.q_norm.weight"), p + "q_norm")
+                put(layer.k_norm.weight, get(p + "self_attn.k_norm.weight"), p + "k_norm")
+            halves = layer.mlp.gate_up_proj.weight.split(cfg.intermediate_size)
+            for dst, x in zip(halves, ("gate", "up")):
+                put(dst, get(p + f"mlp.{x}_proj.weight"), p + f"mlp.{x}_proj.weight")

@@ -1,0 +1,65 @@
+"""Rotary position embedding (rotate-half convention) with default, linear and llama3 scaling.
+
+cos/sin are tabulated once for every position up to max_position and indexed by each token's
+absolute position, so prefill chunks and decodes of any offsets share one path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.kind == "llama3":
+        # Llama 3.1: leave high frequencies, divide low ones by factor, blend in between.
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: RopeScaling,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+        t = torch.arange(max_position, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, Hq, D]; k [T, Hkv, D]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

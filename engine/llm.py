@@ -1,0 +1,160 @@
+"""The embedded API: ``from engine import LLM, SamplingParams``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine in this process. Many prompts in one call run batched (continuous batching).
+
+    >>> llm = LLM()                     # the default model, SmolLM2-135M-Instruct
+    >>> llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_gb: float = 4.0,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        seed: int = 0,
+        show_progress: bool = False,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+            ),
+            show_progress=show_progress,
+        )
+        self._init(LLMEngine(config))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._init(LLMEngine(config))
+        return llm
+
+    def _init(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or many (strings or token-id lists); outputs in input order.
+
+        Every prompt is validated before any runs: one bad prompt raises ValueError and nothing
+        is queued."""
+        prompts = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompts))
+        encoded = [self._encode(p) for p in prompts]
+        for ids, sp in zip(encoded, params_list):
+            self.engine.validate(ids, sp)
+        order = [
+            self.engine.add_request(ids, sp, prompt_text=p if isinstance(p, str) else None)
+            for p, ids, sp in zip(prompts, encoded, params_list)
+        ]
+        final: dict[str, RequestOutput] = {}
+        try:
+            for outs in self.engine.run_until_done(use_tqdm, total=len(order)):
+                for o in outs:
+                    if o.finished:
+                        final[o.request_id] = o
+        except BaseException:
+            for rid in order:
+                self.engine.abort_request(rid)
+            self.engine.step()  # drain the abort outputs
+            raise
+        return [final[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Chat completion(s) with the model's chat template. One conversation or a list."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c) for c in convs]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one request as they are generated."""
+        ids = self._encode(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        rid = self.engine.add_request(ids, params or SamplingParams(), prompt_text=text)
+        done = False
+        try:
+            while not done:
+                for o in self.engine.step():
+                    if o.request_id != rid:
+                        continue
+                    delta = o.outputs[0].new_text
+                    if delta:
+                        yield delta
+                    done = o.finished
+        finally:
+            if not done:
+                self.engine.abort_request(rid)
+                self.engine.step()
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"params has {len(params)} entries for {n} prompts")
+    return params

@@ -1,0 +1,351 @@
+"""The engine: tokenizer, model, paged cache, scheduler and sampler, advanced one step at a time.
+
+Not thread-safe: one thread owns it (the embedded LLM, or the loop thread of AsyncLLM).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kvcache.kv_cache_manager import KVCacheManager
+from engine.kvcache.paged_cache import PagedKVCache, choose_num_blocks
+from engine.layers.llama import LayerHook, LlamaForCausalLM
+from engine.metrics import EngineMetrics, MetricsSnapshot
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request
+from engine.sampling import Sampler, SamplingBatch, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stop_conditions import check_stop, safe_text_len
+
+
+@dataclass
+class _Parent:
+    """A user request; n > 1 fans out into n child sequences that share the prompt's KV blocks."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = (
+            (config or EngineConfig()).with_overrides(**overrides)
+            if overrides
+            else (config or EngineConfig())
+        )
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        torch.manual_seed(config.seed)
+        loaded = load_model(
+            config.model, dtype=self.dtype, device=self.device, show_progress=config.show_progress
+        )
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_path = loaded.path
+        model = LlamaForCausalLM(loaded.config, self.dtype, self.device)
+        model.load_weights(loaded.weights, source=loaded.path)
+        del loaded
+        model.eval()
+        self.model = model
+        cc = config.cache
+        num_blocks = choose_num_blocks(self.model_config, cc, self.dtype, self.device)
+        self.cache = PagedKVCache(
+            self.model_config, num_blocks, cc.block_size, self.dtype, self.device
+        )
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_len}) must be <= the model's max_position_embeddings "
+                f"({self.model_config.max_position_embeddings})"
+            )
+        # One request must always fit in the cache by itself, or preemption could not help it.
+        self.max_model_len = min(max_len, num_blocks * cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(model, self.cache, self.model_config, self.device)
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics()
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self._parents: dict[str, _Parent] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self.layer_hook: LayerHook | None = None
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; changes nothing."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt (length {n}) is longer than the maximum model length of "
+                f"{self.max_model_len} tokens (it must leave room for at least one output token)"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) is too large: the prompt has {n} tokens and "
+                f"the maximum model length is {self.max_model_len}, so max_tokens must be <= "
+                f"{self.max_model_len - n}"
+            )
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Queue a request (text, or token ids with optional prompt_text for the record)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt token ids must be a list of integers")
+            text, ids = prompt_text, list(prompt)
+        self.validate(ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._parents:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            children.append(
+                Request(
+                    rid if params.n == 1 else f"{rid}#{i}",
+                    ids,
+                    params,
+                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                    prompt=text,
+                    cache_salt=cache_salt,
+                    generator=None if seed is None else make_generator(seed, self.device),
+                    arrival_time=arrival_time,
+                )
+            )
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child)
+        except Exception:
+            for child in added:
+                self.scheduler.finish(child, "abort")
+            raise
+        self._parents[rid] = _Parent(rid, text, ids, children)
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(ids) * params.n
+        return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. Unknown or finished ids are a no-op."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return False
+        for child in parent.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, "abort")
+                self._count_finished(child)
+        self._pending.append(self._make_output(parent, final=True))
+        del self._parents[request_id]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._pending)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, and return the outputs of requests that moved."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return outputs
+        now = time.monotonic()
+        for s in sched.scheduled:
+            m = s.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                with self.metrics.lock:
+                    self.metrics.queue_time.observe(now - m.arrival_time)
+        inputs = self.runner.prepare(sched.scheduled, self.kv.block_tables)
+        logits = self.runner.execute(inputs, self.layer_hook)
+        sampling = [s.request for s in inputs.order if s.samples]
+        batch = SamplingBatch.build(
+            [r.params for r in sampling],
+            [r.generator for r in sampling],
+            [r.prompt_token_ids for r in sampling],
+            [r.output_token_ids for r in sampling],
+            self.model_config.vocab_size,
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+        )
+        sampled = self.sampler(logits, batch)
+        self._account_computed(sched)
+        self.scheduler.update_after_step(sched)
+        self.num_steps += 1
+        now = time.monotonic()
+        moved: dict[str, _Parent] = {}
+        for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+            self._append(req, token, lp, now)
+            parent = self._parents.get(_parent_id(req))
+            if parent is not None:
+                moved[parent.request_id] = parent
+        for parent in moved.values():
+            done = all(c.is_finished for c in parent.children)
+            outputs.append(self._make_output(parent, final=done))
+            if done:
+                del self._parents[parent.request_id]
+        return outputs
+
+    def _account_computed(self, sched: SchedulerOutput) -> None:
+        computed = 0
+        for s in sched.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            computed += max(0, min(start + s.num_tokens, req.num_prompt_tokens) - start)
+            req.metrics.num_computed_prompt_tokens += max(
+                0, min(start + s.num_tokens, req.num_prompt_tokens) - start
+            )
+        with self.metrics.lock:
+            self.metrics.computed_prompt_tokens += computed
+
+    def _append(self, req: Request, token: int, lp, now: float) -> None:
+        m = req.metrics
+        with self.metrics.lock:
+            if m.first_token_time is None:
+                m.first_token_time = now
+                self.metrics.ttft.observe(now - m.arrival_time)
+            else:
+                self.metrics.itl.observe(now - m.last_token_time)
+            self.metrics.generation_tokens += 1
+        m.last_token_time = now
+        req.append_token(token)
+        if lp is not None and req.logprobs is not None:
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
+        delta = req.detokenizer.add_tokens([token])
+        stop = check_stop(
+            req.params,
+            token,
+            req.num_output_tokens,
+            self.eos_token_ids,
+            req.detokenizer.text,
+            len(delta),
+        )
+        if stop.truncate_to is not None:
+            req.detokenizer.truncate(stop.truncate_to)
+        if stop.finished:
+            self.scheduler.finish(req, stop.finish_reason, stop.stop_reason)
+            self._count_finished(req)
+
+    def _count_finished(self, req: Request) -> None:
+        now = time.monotonic()
+        req.metrics.finished_time = now
+        with self.metrics.lock:
+            self.metrics.finished[req.finish_reason] = (
+                self.metrics.finished.get(req.finish_reason, 0) + 1
+            )
+            self.metrics.e2e.observe(now - req.metrics.arrival_time)
+
+    def _make_output(self, parent: _Parent, final: bool) -> RequestOutput:
+        outs = []
+        for i, req in enumerate(parent.children):
+            text = req.detokenizer.text
+            # Hold back a tail that might be the start of a stop string until we know.
+            visible = len(text) if req.is_finished else safe_text_len(text, req.params.stop)
+            visible = max(visible, req.sent_text_len)
+            new_text = text[req.sent_text_len : visible]
+            new_ids = req.output_token_ids[req.sent_tokens :]
+            new_lps = req.logprobs[req.sent_tokens :] if req.logprobs is not None else None
+            req.sent_text_len, req.sent_tokens = visible, req.num_output_tokens
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text[:visible],
+                    token_ids=list(req.output_token_ids),
+                    logprobs=req.logprobs,
+                    cumulative_logprob=req.cumulative_logprob,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                    new_text=new_text,
+                    new_token_ids=new_ids,
+                    new_logprobs=new_lps,
+                )
+            )
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outs,
+            finished=final,
+            metrics=parent.children[0].metrics,
+        )
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        m = self.metrics
+        with m.lock:
+            return MetricsSnapshot(
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_usage=self.kv.usage(),
+                num_blocks=self.kv.num_blocks,
+                prefix_queries=self.kv.prefix_queries,
+                prefix_hits=self.kv.prefix_hits,
+                preemptions=self.scheduler.num_preemptions,
+                prompt_tokens=m.prompt_tokens,
+                generation_tokens=m.generation_tokens,
+                computed_prompt_tokens=m.computed_prompt_tokens,
+                finished=dict(m.finished),
+                rejected=m.rejected,
+                ttft=m.ttft.cumulative(),
+                ttft_sum=m.ttft.total,
+                itl=m.itl.cumulative(),
+                itl_sum=m.itl.total,
+                e2e=m.e2e.cumulative(),
+                e2e_sum=m.e2e.total,
+                queue_time=m.queue_time.cumulative(),
+                queue_time_sum=m.queue_time.total,
+            )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    def run_until_done(self, show_progress: bool = False, total: int | None = None):
+        """Step until every request finished; yields each step's outputs."""
+        bar = tqdm(total=total, disable=not show_progress, desc="generate", unit="req")
+        try:
+            while self.has_unfinished_requests():
+                outs = self.step()
+                bar.update(sum(1 for o in outs if o.finished))
+                yield outs
+        finally:
+            bar.close()
+
+
+def _parent_id(req: Request) -> str:
+    rid = req.request_id
+    return rid.rsplit("#", 1)[0] if req.params.n > 1 else rid

@@ -1,0 +1,141 @@
+"""Metrics the engine keeps itself (the servers export them; the core imports no exporter)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+# Buckets in seconds, as vLLM's histograms use.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, last = +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, cumulative count) pairs ending with (inf, count), Prometheus style."""
+        out, running = [], 0
+        for bound, c in zip((*self.buckets, float("inf")), self.counts):
+            running += c
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class EngineMetrics:
+    """Counters and histograms; gauges (running, waiting, KV usage) are read live by snapshot()."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    rejected: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    computed_prompt_tokens: int
+    finished: dict[str, int]
+    rejected: int
+    ttft: list[tuple[float, int]]
+    ttft_sum: float
+    itl: list[tuple[float, int]]
+    itl_sum: float
+    e2e: list[tuple[float, int]]
+    e2e_sum: float
+    queue_time: list[tuple[float, int]]
+    queue_time_sum: float

@@ -1,0 +1,112 @@
+"""Turns a scheduled step into tensors, runs the model, returns logits of the sampling positions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.kvcache.paged_cache import PagedKVCache
+from engine.layers.attention_metadata import AttentionMetadata
+from engine.layers.llama import LayerHook, LlamaForCausalLM
+from engine.scheduler import ScheduledRequest
+
+
+class StepInputs:
+    """Flat inputs of one step. Decodes (one token) first, then prefill chunks."""
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_indices: torch.Tensor,
+        order: list[ScheduledRequest],
+    ) -> None:
+        self.input_ids = input_ids
+        self.positions = positions
+        self.meta = meta
+        self.sample_indices = sample_indices  # rows of the hidden states that produce a token
+        self.order = order  # scheduled requests in flat-batch order
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, cache: PagedKVCache, config: ModelConfig, device
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.config = config
+        self.device = torch.device(device)
+        self.block_size = cache.block_size
+        model.bind_kv_cache(cache.kv)
+
+    def prepare(
+        self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, list[int]]
+    ) -> StepInputs:
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        prefills = [s for s in scheduled if s.num_tokens > 1]
+        order = decodes + prefills
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts: list[np.ndarray] = []
+        for s in order:
+            start = s.request.num_computed_tokens
+            ids.extend(s.request.all_token_ids[start : start + s.num_tokens])
+            pos_parts.append(np.arange(start, start + s.num_tokens, dtype=np.int64))
+        positions = np.concatenate(pos_parts)
+        # slot = table[pos // bs] * bs + pos % bs, via one padded table for the whole step.
+        tables = [block_tables[s.request.request_id] for s in order]
+        width = max(len(t) for t in tables)
+        table_np = np.zeros((len(order), width), dtype=np.int32)
+        for r, t in enumerate(tables):
+            table_np[r, : len(t)] = t
+        lens = np.array([s.num_tokens for s in order], dtype=np.int64)
+        row_of_token = np.repeat(np.arange(len(order)), lens)
+        slots = table_np[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = np.array(
+            [s.request.num_computed_tokens + s.num_tokens for s in order], dtype=np.int32
+        )
+        dev = self.device
+        nd = len(decodes)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            num_decode_tokens=nd,
+        )
+        table_t = torch.from_numpy(table_np).to(dev)
+        seq_lens_t = torch.from_numpy(seq_lens).to(dev)
+        if nd:
+            meta.decode_block_tables = table_t[:nd]
+            meta.decode_seq_lens = seq_lens_t[:nd]
+            meta.decode_max_seq_len = int(seq_lens[:nd].max())
+        if prefills:
+            q_lens = lens[nd:]
+            cu = np.zeros(len(prefills) + 1, dtype=np.int32)
+            np.cumsum(q_lens, out=cu[1:])
+            meta.prefill_block_tables = table_t[nd:]
+            meta.prefill_cu_seqlens_q = torch.from_numpy(cu).to(dev)
+            meta.prefill_seq_lens = seq_lens_t[nd:]
+            meta.prefill_max_seqlen_q = int(q_lens.max())
+            meta.prefill_max_seq_len = int(seq_lens[nd:].max())
+        ends = np.cumsum(lens) - 1
+        sample_rows = [int(ends[r]) for r, s in enumerate(order) if s.samples]
+        return StepInputs(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.from_numpy(positions).to(dev),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            order,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, inputs: StepInputs, layer_hook: LayerHook | None = None, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Runs the forward. Returns float32 logits of the sampling rows [S, V], or of every row
+        when ``all_logits``."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, layer_hook)
+        if not all_logits:
+            hidden = hidden[inputs.sample_indices]
+        return self.model.compute_logits(hidden).float()

@@ -1,0 +1,144 @@
+"""The command line: ``engine generate``, ``engine chat``, ``engine serve``, ``engine rpc``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help='"default" (SmolLM2-135M), a GGUF or HF dir')
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=4.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+        ),
+        show_progress=True,
+    )
+
+
+def _params(args: argparse.Namespace):
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def _llm(args: argparse.Namespace):
+    from engine.llm import LLM
+
+    return LLM.from_config(engine_config_from_args(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    params = _params(args)
+    prompts = args.prompt or ["Hello! Who are you?"]
+    if args.raw:
+        outs = llm.generate(prompts, params)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        print(f">>> {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    params = _params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Chat with the model. Empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        print("bot> ", end="", flush=True)
+        reply = []
+        try:
+            for delta in llm.stream(llm.apply_chat_template(messages), params):
+                reply.append(delta)
+                print(delta, end="", flush=True)
+        except ValueError as exc:  # e.g. the conversation outgrew the context
+            print(f"\n[error: {exc}]")
+            messages.pop()
+            continue
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="engine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate for one or more prompts and print the answers")
+    _engine_args(g)
+    _sampling_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat that streams tokens")
+    _engine_args(c)
+    _sampling_args(c)
+    c.add_argument("--system", default=None, help="a system prompt")
+    c.set_defaults(func=cmd_chat)
+
+    try:
+        from engine.server.commands import add_server_commands
+    except ImportError:
+        pass
+    else:
+        add_server_commands(sub, _engine_args)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
