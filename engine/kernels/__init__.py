@@ -2,7 +2,8 @@
 
 Each kernel family lives in its own file as a Triton kernel, a launcher that checks its inputs, and
 a plain-torch reference with the same signature. Dispatch: Triton on CUDA tensors, the references on
-CPU; ``ENGINE_KERNELS=triton|torch`` forces one (Triton on CPU tensors then needs TRITON_INTERPRET=1).
+CPU; ``ENGINE_KERNELS=triton|torch`` forces one (Triton on CPU tensors then needs
+TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         return prefill_attention_triton(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, **kw
         )
-    return prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, **kw)
+    return prefill_attention_ref(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, **kw
+    )
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
@@ -65,4 +68,11 @@ def kv_scatter(src, block_ids, cache) -> None:
     return kv_scatter_ref(src, block_ids, cache)
 
 
-__all__ = ["kv_store", "prefill_attention", "decode_attention", "kv_gather", "kv_scatter", "use_triton"]
+__all__ = [
+    "kv_store",
+    "prefill_attention",
+    "decode_attention",
+    "kv_gather",
+    "kv_scatter",
+    "use_triton",
+]

@@ -1,0 +1,99 @@
+"""Input checks and launch facts shared by the Triton launchers in this package.
+
+The launchers check what a GPU would reject or silently get wrong and the interpreter would not
+catch (dtypes, shapes, last-dim contiguity, devices), and raise ``ValueError`` naming the argument.
+They never read tensor values: that would cost a device sync on every call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is there to ask
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether ``kernel`` was built by Triton's interpreter (TRITON_INTERPRET=1 at import time).
+
+    Decided per kernel object, not from the environment now: ``triton.jit`` picks the interpreter
+    once, when the module is imported."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    last_contiguous: bool = False,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({names}), got {t.dtype}")
+    if shape is not None:
+        ok = len(shape) == t.dim() and all(
+            s is None or s == n for s, n in zip(shape, t.shape, strict=False)
+        )
+        if not ok:
+            want = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    if last_contiguous and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    return t
+
+
+def check_devices(kernel, **tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device; CPU tensors only when ``kernel`` runs in the interpreter."""
+    items = list(tensors.items())
+    device = items[0][1].device
+    for name, t in items[1:]:
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} (like {items[0][0]})")
+    if device.type != "cuda" and not is_interpreted(kernel):
+        raise ValueError(
+            f"{items[0][0]} is on {device}: Triton kernels need CUDA tensors, or "
+            "TRITON_INTERPRET=1 set before triton is first imported"
+        )
+    return device
+
+
+def dot_in_f32(kernel, dtype: torch.dtype) -> bool:
+    """Upcast tl.dot operands to fp32? Only in the interpreter, where a bf16 tl.dot multiplies
+    the raw uint16 bit patterns (triton issue #11584) and fp16 gains nothing from staying 16-bit.
+    On the GPU 16-bit dots run natively on tensor cores with fp32 accumulation."""
+    return is_interpreted(kernel) and dtype != torch.float32
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 dots default to TF32 on NVIDIA (~1e-3 error); ask for IEEE fp32 so fp32 means fp32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def pad_dim(head_dim: int) -> int:
+    """Head dim padded to a power of 2 and to >= 16 (smallest K of a 16-bit tl.dot on NVIDIA)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def check_dot_shape(m: int, n: int, k: int) -> None:
+    """The NVIDIA backend rejects tl.dot with M, N or K below 16 for 16-bit inputs; the interpreter
+    accepts any size, so check here that CPU-tested configs also compile on the GPU."""
+    if min(m, n, k) < 16:
+        raise ValueError(f"internal: tl.dot tile {m}x{n}x{k} has a side < 16")
