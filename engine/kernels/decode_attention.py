@@ -3,6 +3,24 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_dot_shape,
+    check_tensor,
+    dot_in_f32,
+    dot_precision,
+    num_sms,
+    pad_dim,
+)
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (Q load, partial write, merge) dominates
+MAX_SPLITS = 64
 
 
 def decode_attention_ref(
@@ -44,4 +62,265 @@ def decode_attention_ref(
     probs = torch.softmax(scores, dim=-1)
     o = torch.matmul(probs, v.transpose(1, 2).to(compute))
     out.copy_(o.reshape(batch, num_heads, head_dim))
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, HEAD_DIM] fp32, normalised within the split
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, base-2 log-sum-exp of the split's scores
+    block_tables_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_oh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= 16 rows: GROUP query heads, the rest masked
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Grid (batch, kv heads, NUM_SPLITS). Each sequence's context is cut into NUM_SPLITS
+    # BLOCK_N-aligned pieces of its own length, so short sequences leave trailing splits empty;
+    # an empty split writes lse = -inf and weighs nothing in the merge.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + rows
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q_off = seq * stride_qb + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot_k = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+        slot_v = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs
+        k = tl.load(
+            k_base + slot_k[None, :] + d[:, None], mask=d_ok[:, None] & pos_ok[None, :], other=0.0
+        )
+        v = tl.load(
+            v_base + slot_v[:, None] + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        o_off = seq * stride_ob + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        row = (seq * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=io_mask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_heads,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    # Grid (batch, query heads): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < NUM_SPLITS
+    row = (seq * num_heads + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    o = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
+    """Split the context only while batch x kv heads leaves SMs idle: aim at ~2 programs per SM,
+    at least MIN_SPLIT_TOKENS per split, at most MAX_SPLITS."""
+    programs = batch * num_kv_heads
+    if programs >= sms:
+        return 1
+    want = triton.cdiv(2 * sms, programs)
+    return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as decode_attention_ref; split-KV (flash-decoding) in two kernels, or one
+    when num_splits is 1. No host sync: without max_seq_len the split count is sized from the
+    block table's width. A sequence of length 0 gets zeros (the reference gives NaN)."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    batch, num_heads, head_dim = q.shape
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), last_contiguous=True)
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
+    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
+    check_tensor("v_cache", v_cache, last_contiguous=True)
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q's {num_heads} heads must be a multiple of k_cache's {num_kv_heads} KV heads"
+        )
+    if head_dim > 256:
+        raise ValueError(f"q's head_dim must be <= 256, got {head_dim}")
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, shape=(batch,), contiguous=True)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, shape=(batch, None))
+    check_tensor("block_tables", block_tables, last_contiguous=True)
+    if out is None:
+        out = torch.empty_like(q)
+    check_tensor("out", out, dtypes=(q.dtype,), shape=tuple(q.shape), last_contiguous=True)
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    device = check_devices(
+        _decode_split_kernel,
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        out=out,
+    )
+    if batch == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    head_dim_pad = pad_dim(head_dim)
+    if num_splits is None:
+        bound = max_seq_len if max_seq_len else block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch, num_kv_heads, bound, num_sms(device))
+    block_h = max(16, triton.next_power_of_2(group))
+    block_n = 32 if q.dtype == torch.float32 or head_dim_pad > 128 else 64
+    check_dot_shape(block_h, block_n, head_dim_pad)
+    check_dot_shape(block_h, head_dim_pad, block_n)
+    if num_splits > 1:
+        part_out = torch.empty(
+            batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
+        )
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
+    else:
+        part_out = part_lse = out  # unused: the split kernel writes out directly
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        block_tables,
+        seq_lens,
+        float(scale) * LOG2E,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT_F32=dot_in_f32(_decode_split_kernel, q.dtype),
+        PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
     return out

@@ -8,8 +8,25 @@ absolute position ``seq_lens[b] - q_len_b + i`` and attends causally to position
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine.kernels._launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_dot_shape,
+    check_tensor,
+    dot_in_f32,
+    dot_precision,
+    pad_dim,
+)
+
+LOG2E = 1.4426950408889634
 
 
 def gather_kv(
@@ -60,4 +77,253 @@ def prefill_attention_ref(
         mask = k_pos[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1).to(out.dtype)
+    return out
+
+
+@triton.jit
+def _find_seq_idx(cu_seqlens_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence of q-block ``q_block``. Sequence b owns the q-blocks from
+    cu_seqlens[b] // BLOCK_Q + b on (at least one each, so the starts strictly increase); binary
+    search for the last start <= q_block (vLLM ``find_seq_idx``)."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        start = tl.load(cu_seqlens_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    cu_seqlens_ptr,
+    seq_lens_ptr,
+    scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_M: tl.constexpr,  # tile rows = BLOCK_Q positions x GROUP heads (+ masked padding)
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,  # KV positions per iteration
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Grid (q-blocks upper bound, kv heads). Row r of the tile is query position
+    # q_block*BLOCK_Q + r // GROUP of the chunk and query head kv_head*GROUP + r % GROUP, so each
+    # K/V tile is loaded once for the whole GQA group.
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq_idx(cu_seqlens_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    local = q_block - (q_start // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_len:
+        return  # past the last q-block of the last sequence (the grid is an upper bound)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = local * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    # Rows >= BLOCK_Q*GROUP would alias the next q-block's first position: keep them out.
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = context + q_idx  # absolute position: attends to keys at positions <= q_pos
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # Causal bound: no row of this block sees past its last valid query position.
+    kv_end = context + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    for start in range(0, kv_end, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_ok = pos < kv_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot_k = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+        slot_v = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs
+        k = tl.load(
+            k_base + slot_k[None, :] + d[:, None], mask=d_ok[:, None] & pos_ok[None, :], other=0.0
+        )
+        v = tl.load(
+            v_base + slot_v[:, None] + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row masked so far has m_new = -inf; use 0 so exp2(-inf - 0) = 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(
+        out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :]
+    )
+
+
+class PrefillConfig(NamedTuple):
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(
+    max_seqlen_q: int, group: int, head_dim_pad: int, dtype: torch.dtype
+) -> PrefillConfig:
+    """Tile sizes. Short queries (decode, small chunks) get the 16-row tile vLLM uses, so a q_len
+    of 1 wastes little; long chunks get 64 or 128 rows for more reuse of each K/V tile. fp32 and
+    head dims > 128 get smaller tiles to stay inside shared memory and registers."""
+    big = dtype == torch.float32 or head_dim_pad > 128
+    if max_seqlen_q * group <= 32:
+        block_m = 16
+    elif max_seqlen_q * group <= 128 or big:
+        block_m = 64
+    else:
+        block_m = 128
+    block_m = max(block_m, triton.next_power_of_2(group))
+    tile_n = 32 if big else 64
+    return PrefillConfig(
+        block_m=block_m,
+        block_q=block_m // group,
+        tile_n=tile_n,
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2,
+    )
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as prefill_attention_ref. No host sync: the grid is sized from q.shape[0]
+    and max_seqlen_q (q.shape[0] when None) picks the tile; metadata values are trusted.
+    max_seq_len is unused (accepted for the common signature)."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    num_tokens, num_heads, head_dim = q.shape
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), last_contiguous=True)
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
+    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
+    check_tensor("v_cache", v_cache, last_contiguous=True)
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q's {num_heads} heads must be a multiple of k_cache's {num_kv_heads} KV heads"
+        )
+    if head_dim > 256:
+        raise ValueError(f"q's head_dim must be <= 256, got {head_dim}")
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
+    num_seqs = seq_lens.shape[0]
+    check_tensor(
+        "cu_seqlens_q",
+        cu_seqlens_q,
+        ndim=1,
+        dtypes=INDEX_DTYPES,
+        shape=(num_seqs + 1,),
+        contiguous=True,
+    )
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, shape=(num_seqs, None))
+    check_tensor("block_tables", block_tables, last_contiguous=True)
+    if out is None:
+        out = torch.empty_like(q)
+    check_tensor("out", out, dtypes=(q.dtype,), shape=tuple(q.shape), last_contiguous=True)
+    check_devices(
+        _prefill_kernel,
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        out=out,
+    )
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    head_dim_pad = pad_dim(head_dim)
+    cfg = prefill_config(max_seqlen_q or num_tokens, group, head_dim_pad, q.dtype)
+    check_dot_shape(cfg.block_m, cfg.tile_n, head_dim_pad)
+    check_dot_shape(cfg.block_m, head_dim_pad, cfg.tile_n)
+    grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        float(scale) * LOG2E,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=cfg.block_q,
+        TILE_N=cfg.tile_n,
+        DOT_F32=dot_in_f32(_prefill_kernel, q.dtype),
+        PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out
