@@ -1,7 +1,7 @@
 """Typed, frozen configuration for the model, the KV cache, the scheduler and the engine.
 
-Every config validates itself in ``__post_init__`` and raises ``ValueError`` naming the field and the
-limit, so a bad setting fails where it is made, not deep inside a forward pass.
+Every config validates itself in ``__post_init__`` and raises ``ValueError`` naming the field
+and the limit, so a bad setting fails where it is made, not deep inside a forward pass.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class RopeScaling:
 class ModelConfig:
     """What the runtime needs to know about a Llama-family model.
 
-    ``architecture`` is one of SUPPORTED_ARCHITECTURES ("llama" also covers SmolLM). Weights are handed
-    to the runtime under Hugging Face names (``model.layers.0.self_attn.q_proj.weight`` ...), whatever
-    the file format was.
+    ``architecture`` is one of SUPPORTED_ARCHITECTURES ("llama" also covers SmolLM). Weights are
+    handed to the runtime under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``
+    ...), whatever the file format was.
     """
 
     architecture: str
@@ -135,13 +135,14 @@ class SchedulerConfig:
         _positive("max_waiting", self.max_waiting)
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
-                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+                "long_prefill_token_threshold must be >= 0, "
+                f"got {self.long_prefill_token_threshold}"
             )
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one engine instance needs. ``model`` is "default" or a path (GGUF file or HF dir)."""
+    """Everything one engine instance needs. ``model``: "default" or a GGUF file or HF dir."""
 
     model: str = "default"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA

@@ -1,4 +1,4 @@
-"""Every environment variable the engine reads, in one place. A leaf module: imports nothing of ours."""
+"""Every environment variable the engine reads, in one place. A leaf module: imports nothing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Paged attention layer: writes this step's K/V into the cache, then attends through the kernels."""
+"""Paged attention layer: writes this step's K/V into the cache, then attends via the kernels."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ def test_allocate_free_counts_and_lru_reuse():
     pool.free(reversed(a))  # tail first
     counts = pool.check_integrity()
     assert counts.free == 3 and counts.cached == 1 and counts.used == 0
-    # Never-used blocks come first, then the freed tail, then the cached head: the prefix lives longest.
+    # Never-used blocks first, then the freed tail, then the cached head: the prefix lives longest.
     order = pool.allocate(4)
     assert order[-2:] == [a[1], a[0]]
     assert pool.lookup(b"h0", (1, 2)) is None  # reusing the block dropped its name
