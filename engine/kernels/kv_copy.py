@@ -56,7 +56,7 @@ def _kv_copy_kernel(
     i = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = i < BLOCK_ELEMS
     x = tl.load(src + i, mask=mask)
-    tl.store(dst + i, x.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + i, x, mask=mask)
 
 
 def _flat_lead(name: str, t: torch.Tensor) -> tuple[int, int]:
@@ -119,10 +119,20 @@ def kv_gather_triton(
 ) -> torch.Tensor:
     """Same contract as kv_gather_ref. Block ids are not range-checked (that would need a sync):
     ids outside [0, num_blocks) read out of bounds on the GPU."""
+    if isinstance(out, torch.Tensor) and isinstance(cache, torch.Tensor):
+        if out.dtype != cache.dtype and out.dtype in FLOAT_DTYPES:
+            staged = torch.empty(out.shape, dtype=cache.dtype, device=out.device)
+            _copy(cache, block_ids, staged, gather=True, staging_name="out")
+            return out.copy_(staged)  # cast in torch (see kv_scatter_triton)
     _copy(cache, block_ids, out, gather=True, staging_name="out")
     return out
 
 
 def kv_scatter_triton(src: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor) -> None:
     """Same contract as kv_scatter_ref. With duplicate ids one source wins, unspecified which."""
+    if isinstance(src, torch.Tensor) and isinstance(cache, torch.Tensor):
+        if src.dtype != cache.dtype and src.dtype in FLOAT_DTYPES:
+            # Cast in torch (round to nearest even, as the reference): the interpreter's in-kernel
+            # fp32 -> bf16 cast truncates, so an in-kernel cast would differ between CPU and GPU.
+            src = src.to(cache.dtype)
     _copy(cache, block_ids, src, gather=False, staging_name="src")

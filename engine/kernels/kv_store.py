@@ -70,8 +70,8 @@ def _kv_store_kernel(
     v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + head * stride_kch + d
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + head * stride_vch + d
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, k, mask=mask)
+    tl.store(v_dst, v, mask=mask)
 
 
 def kv_store_triton(
@@ -111,6 +111,9 @@ def kv_store_triton(
     )
     if num_tokens == 0:
         return
+    # Cast in torch, as the reference does: the interpreter's in-kernel fp32 -> bf16 cast truncates.
+    key = key if key.dtype == k_cache.dtype else key.to(k_cache.dtype)
+    value = value if value.dtype == v_cache.dtype else value.to(v_cache.dtype)
     row = num_kv_heads * head_dim
     tile = min(triton.next_power_of_2(row), 2048)
     grid = (num_tokens, triton.cdiv(row, tile))
