@@ -1,0 +1,169 @@
+"""Split-KV paged decode attention: Triton launcher vs the torch reference, the reference vs a
+naive per-token loop, and the split-count heuristic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.kernels.decode_attention import (
+    MAX_SPLITS,
+    choose_num_splits,
+    decode_attention_ref,
+    decode_attention_triton,
+)
+
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=1e-2, atol=1e-2),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+}
+
+
+def make_batch(seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
+    """Random paged inputs: blocks a random permutation of the pool, table rows padded with -1."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    width = max(blocks_per_seq) + 2
+    perm = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = perm[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def check(seq_lens, heads, kv_heads, head_dim, block_size, dtype, **kw):
+    q, k_cache, v_cache, bt, lens = make_batch(
+        seq_lens, heads, kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    assert decode_attention_triton(q, k_cache, v_cache, bt, lens, scale, out=out, **kw) is out
+    assert not out.isnan().any(), "some output elements were not written"
+    ref = decode_attention_ref(q, k_cache, v_cache, bt, lens, scale)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+RAGGED = [1, 17, 100, 257]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_default_model(num_splits, dtype):
+    # SmolLM2-135M: 9 query heads over 3 KV heads, head_dim 64; ragged lengths, one of 1 token.
+    check(RAGGED, 9, 3, 64, 16, dtype, num_splits=num_splits, max_seq_len=257)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,dtype",
+    [
+        (4, 4, 128, 32, torch.float32),  # group 1
+        (8, 2, 64, 64, torch.float16),  # group 4
+        (8, 2, 128, 16, torch.bfloat16),
+        (6, 2, 80, 32, torch.float32),  # head_dim 80 padded to 128
+    ],
+)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_shapes(heads, kv_heads, head_dim, block_size, dtype, num_splits):
+    check([5, 130, 64, 33], heads, kv_heads, head_dim, block_size, dtype, num_splits=num_splits)
+
+
+def test_many_empty_splits():
+    # 16 splits over sequences of 1..40 tokens: most splits have no work and must weigh nothing.
+    check([1, 2, 40], 9, 3, 64, 16, torch.float32, num_splits=16)
+
+
+def test_split_count_from_table_width_without_hint():
+    # No max_seq_len: the heuristic sizes splits from the block table width, no host sync.
+    check([300, 20], 9, 3, 64, 16, torch.float32)
+
+
+def test_strided_q_and_out_views():
+    q, k_cache, v_cache, bt, lens = make_batch(RAGGED, 9, 3, 64, 16, torch.float16)
+    fused = torch.randn(len(RAGGED), 15, 64).to(torch.float16)
+    fused[:, :9] = q
+    big_out = torch.full((len(RAGGED) + 2, 9, 64), float("nan"), dtype=torch.float16)
+    out = big_out[:-2]
+    decode_attention_triton(fused[:, :9], k_cache, v_cache, bt, lens, 0.125, out=out, num_splits=2)
+    ref = decode_attention_ref(q, k_cache, v_cache, bt, lens, 0.125)
+    torch.testing.assert_close(out, ref, **TOL[torch.float16])
+    assert big_out[-2:].isnan().all()
+
+
+def test_choose_num_splits():
+    sms = 132
+    assert choose_num_splits(256, 8, 32768, sms) == 1  # the batch alone fills the GPU
+    assert choose_num_splits(64, 3, 4096, sms) == 1
+    assert choose_num_splits(1, 3, 200, sms) == 1  # too short to be worth splitting
+    one = choose_num_splits(1, 8, 32768, sms)
+    assert 1 < one <= MAX_SPLITS and one * 8 >= sms
+    assert choose_num_splits(1, 3, 32768, sms) == MAX_SPLITS
+    assert choose_num_splits(16, 3, 1024, sms) == 4  # capped by 256 tokens per split
+
+
+def naive_decode(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        slots = [(int(block_tables[b, j // block_size]), j % block_size) for j in range(n)]
+        for h in range(q.shape[1]):
+            k = torch.stack([k_cache[blk, off, h // group] for blk, off in slots]).double()
+            v = torch.stack([v_cache[blk, off, h // group] for blk, off in slots]).double()
+            out[b, h] = torch.softmax(k @ q[b, h].double() * scale, dim=0) @ v
+    return out
+
+
+def test_reference_matches_naive_loop():
+    q, k_cache, v_cache, bt, lens = make_batch([1, 9, 5], 4, 2, 16, 4, torch.float32)
+    ref = decode_attention_ref(q, k_cache, v_cache, bt, lens, 0.3)
+    naive = naive_decode(q, k_cache, v_cache, bt, lens, 0.3)
+    torch.testing.assert_close(ref.double(), naive, rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_bad_input():
+    q, k_cache, v_cache, bt, lens = make_batch(RAGGED, 9, 3, 64, 16, torch.float32)
+    args = [q, k_cache, v_cache, bt, lens, 0.125]
+
+    def call(i, value, name, **kw):
+        bad = list(args)
+        bad[i] = value
+        with pytest.raises(ValueError, match=name):
+            decode_attention_triton(*bad, **kw)
+
+    call(0, q.bfloat16(), "k_cache")
+    call(0, q[:, :, None], "q")
+    call(0, q[:, :7], "heads")
+    call(1, k_cache[..., :32], "k_cache")
+    call(2, v_cache.half(), "v_cache")
+    call(3, bt.float(), "block_tables")
+    call(3, bt[:1], "block_tables")
+    call(4, lens[:-1], "seq_lens")
+    call(4, lens.float(), "seq_lens")
+    call(5, 0.125, "out", out=torch.empty(4, 9, 32))
+    call(5, 0.125, "num_splits", num_splits=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches(seed):
+    g = torch.Generator().manual_seed(200 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    kv_heads, group = pick([1, 2, 3]), pick([1, 3, 4])
+    head_dim, block_size = pick([64, 80, 128]), pick([16, 32, 64])
+    dtype = pick([torch.float32, torch.float16, torch.bfloat16])
+    seq_lens = [int(torch.randint(1, 400, (1,), generator=g)) for _ in range(pick([1, 3, 6]))]
+    splits = pick([None, 1, 2, 5])
+    check(seq_lens, kv_heads * group, kv_heads, head_dim, block_size, dtype, num_splits=splits)
