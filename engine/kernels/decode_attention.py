@@ -71,12 +71,13 @@ def _decode_split_kernel(
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
-    part_out_ptr,  # [B, Hq, NUM_SPLITS, HEAD_DIM] fp32, normalised within the split
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, base-2 log-sum-exp of the split's scores
+    part_out_ptr,  # [B, Hq, num_splits, HEAD_DIM] fp32, normalised within the split
+    part_lse_ptr,  # [B, Hq, num_splits] fp32, base-2 log-sum-exp of the split's scores
     block_tables_ptr,
     seq_lens_ptr,
     scale_log2,
     num_heads,
+    num_splits,  # runtime, not constexpr: a new split count must not trigger a recompile
     stride_qb,
     stride_qh,
     stride_kb,
@@ -94,18 +95,18 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= 16 rows: GROUP query heads, the rest masked
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,  # num_splits == 1: write the normalised output, no merge kernel
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # Grid (batch, kv heads, NUM_SPLITS). Each sequence's context is cut into NUM_SPLITS
+    # Grid (batch, kv heads, num_splits). Each sequence's context is cut into num_splits
     # BLOCK_N-aligned pieces of its own length, so short sequences leave trailing splits empty;
     # an empty split writes lse = -inf and weighs nothing in the merge.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -154,11 +155,11 @@ def _decode_split_kernel(
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if DIRECT:
         o_off = seq * stride_ob + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        row = (seq * num_heads + head) * NUM_SPLITS + split
+        row = (seq * num_heads + head) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=io_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
@@ -170,19 +171,19 @@ def _decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     num_heads,
+    num_splits,
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of 2 >= num_splits
 ):
     # Grid (batch, query heads): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < NUM_SPLITS
-    row = (seq * num_heads + head) * NUM_SPLITS + s
+    s_ok = s < num_splits
+    row = (seq * num_heads + head) * num_splits + s
     lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
@@ -286,6 +287,7 @@ def decode_attention_triton(
         seq_lens,
         float(scale) * LOG2E,
         num_heads,
+        num_splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -303,7 +305,7 @@ def decode_attention_triton(
         GROUP=group,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        DIRECT=num_splits == 1,
         DOT_F32=dot_in_f32(_decode_split_kernel, q.dtype),
         PRECISION=dot_precision(q.dtype),
         num_warps=4,
@@ -315,11 +317,11 @@ def decode_attention_triton(
             part_out,
             part_lse,
             num_heads,
+            num_splits,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             num_warps=4,
         )

@@ -162,7 +162,7 @@ def test_random_batches(seed):
         return options[int(torch.randint(len(options), (1,), generator=g))]
 
     kv_heads, group = pick([1, 2, 3]), pick([1, 3, 4])
-    head_dim, block_size = pick([64, 80, 128]), pick([16, 32, 64])
+    head_dim, block_size = pick([64, 80, 128]), pick([8, 16, 32, 64, 128])
     dtype = pick([torch.float32, torch.float16, torch.bfloat16])
     seq_lens = [int(torch.randint(1, 400, (1,), generator=g)) for _ in range(pick([1, 3, 6]))]
     splits = pick([None, 1, 2, 5])

@@ -173,7 +173,7 @@ def test_random_batches(seed):
         return options[int(torch.randint(len(options), (1,), generator=g))]
 
     kv_heads, group = pick([1, 2, 3]), pick([1, 3, 4])
-    head_dim, block_size = pick([64, 80, 128]), pick([16, 32, 64])
+    head_dim, block_size = pick([64, 80, 128]), pick([8, 16, 32, 64, 128])
     dtype = pick([torch.float32, torch.float16, torch.bfloat16])
     batch = int(torch.randint(1, 5, (1,), generator=g))
     q_lens = [pick([1, 1, 2, 7, 33, 70]) for _ in range(batch)]
