@@ -24,7 +24,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.sampling import Sampler, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.stop_conditions import check_stop, safe_text_len
 
 
@@ -137,7 +137,7 @@ class LLMEngine:
                     rid if params.n == 1 else f"{rid}#{i}",
                     ids,
                     params,
-                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                    IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                     prompt=text,
                     cache_salt=cache_salt,
                     generator=None if seed is None else make_generator(seed, self.device),
@@ -255,7 +255,9 @@ class LLMEngine:
             len(delta),
         )
         if stop.truncate_to is not None:
-            req.detokenizer.truncate(stop.truncate_to)
+            req.text_limit = stop.truncate_to
+        elif stop.finished:
+            req.detokenizer.flush()  # an incomplete character at the very end
         if stop.finished:
             self.scheduler.finish(req, stop.finish_reason, stop.stop_reason)
             self._count_finished(req)
@@ -272,7 +274,7 @@ class LLMEngine:
     def _make_output(self, parent: _Parent, final: bool) -> RequestOutput:
         outs = []
         for i, req in enumerate(parent.children):
-            text = req.detokenizer.text
+            text = req.detokenizer.text[: req.text_limit]
             # Hold back a tail that might be the start of a stop string until we know.
             visible = len(text) if req.is_finished else safe_text_len(text, req.params.stop)
             visible = max(visible, req.sent_text_len)
@@ -302,6 +304,28 @@ class LLMEngine:
             finished=final,
             metrics=parent.children[0].metrics,
         )
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """float32 logits at every position of ``token_ids`` [T, V], computed through the paged
+        cache in chunks of ``chunk_size`` tokens (all at once by default). For tests and prompt
+        logprobs; runs outside the scheduler, so call it only while the engine is idle."""
+        self.validate(token_ids, SamplingParams(max_tokens=1))
+        req = Request(f"logits-{next(self._ids)}", token_ids, SamplingParams(), None)
+        chunk = chunk_size or len(token_ids)
+        parts = []
+        try:
+            while req.num_computed_tokens < len(token_ids):
+                n = min(chunk, len(token_ids) - req.num_computed_tokens)
+                if not self.kv.allocate(req, n):
+                    raise MemoryError("not enough free KV blocks for prompt_logits")
+                step = [ScheduledRequest(req, n)]
+                inputs = self.runner.prepare(step, self.kv.block_tables)
+                parts.append(self.runner.execute(inputs, all_logits=True))
+                req.num_computed_tokens += n
+        finally:
+            self.kv.free(req)
+        return torch.cat(parts)
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         # Streaming cursors: what has been handed to the caller already.
+        self.text_limit: int | None = None  # output text is cut here (a stop string matched)
         self.sent_text_len = 0
         self.sent_tokens = 0
 
