@@ -254,20 +254,43 @@ def llama3_scaling_from_factors(
 ) -> RopeScaling:
     """Recover Llama 3 rope scaling from the per-frequency factors llama.cpp stores instead.
 
-    Between the two cut-offs a factor r obeys 1/r = (1 - s)/factor + s with
-    s = (orig/wavelen - low)/(high - low), linear in 1/wavelen: fitting it gives orig/(high - low)
-    and low/(high - low). Scaling orig, low and high together changes nothing, so we fix orig.
+    A factor r is 1 above the high cut-off, ``factor`` below the low one, and in between obeys
+    1/r = (1 - s)/factor + s with s = (orig/wavelen - low)/(high - low): s is a line in
+    1/wavelen. We find that line (fitted through the in-between points, or, with fewer than two,
+    the least steep one that keeps every point on its side of the cut-offs), then low and high
+    for a fixed orig: scaling orig, low and high together changes no factor.
     """
     factor = float(factors.max())
     if factor <= 1.0 + 1e-6:
         return RopeScaling()
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    inv_wavelen = inv_freq / (2 * math.pi)
+    for original in (8192, 4096, 2048, 1024, 16384, 32768):  # Llama 3.x: 8192, low 1, high 4
+        scaling = RopeScaling(
+            kind="llama3", factor=factor, original_max_position_embeddings=original
+        )
+        if np.allclose(llama3_factors(scaling, inv_freq), factors, rtol=1e-5):
+            return scaling
+    x = inv_freq / (2 * math.pi)  # 1 / wavelen
     smooth = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)
-    between = (smooth > 1e-4) & (smooth < 1 - 1e-4)
-    original = 8192
+    eps = 1e-4
+    between = (smooth > eps) & (smooth < 1 - eps)
+    unscaled, scaled = x[smooth >= 1 - eps], x[smooth <= eps]
     if between.sum() >= 2:
-        slope, intercept = np.polyfit(inv_wavelen[between], smooth[between], 1)
+        slope, intercept = np.polyfit(x[between], smooth[between], 1)
+    elif between.sum() == 1 and (unscaled.size or scaled.size):
+        x0, s0 = x[between][0], smooth[between][0]
+        slope = max(
+            (1 - s0) / (unscaled.min() - x0) if unscaled.size else 0.0,
+            s0 / (x0 - scaled.max()) if scaled.size else 0.0,
+        )
+        intercept = s0 - slope * x0
+    elif between.sum() == 0 and unscaled.size and scaled.size:
+        slope = 1.0 / (unscaled.min() - scaled.max())
+        intercept = -slope * scaled.max()
+    else:
+        slope = intercept = 0.0
+    original = 8192
+    if slope > 0 and intercept < 0:
         span = original / slope  # high - low
         scaling = RopeScaling(
             kind="llama3",
@@ -276,11 +299,9 @@ def llama3_scaling_from_factors(
             high_freq_factor=float((1 - intercept) * span),
             original_max_position_embeddings=original,
         )
-    else:
-        scaling = RopeScaling(kind="llama3", factor=factor)
-    if not np.allclose(llama3_factors(scaling, inv_freq), factors, rtol=1e-3):
-        raise ValueError(f"{path}: rope_freqs.weight does not follow Llama 3 rope scaling")
-    return scaling
+        if np.allclose(llama3_factors(scaling, inv_freq), factors, rtol=1e-3):
+            return scaling
+    raise ValueError(f"{path}: rope_freqs.weight does not follow Llama 3 rope scaling")
 
 
 def llama3_factors(scaling: RopeScaling, inv_freq: np.ndarray) -> np.ndarray:
