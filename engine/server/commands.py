@@ -1,0 +1,119 @@
+"""``engine serve`` (the OpenAI-compatible HTTP server) and ``engine rpc`` (the ZeroMQ RPC
+server), added to the command line by cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_server_commands(subparsers, engine_args_fn) -> None:
+    s = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    engine_args_fn(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require Authorization: Bearer <key> on every route but /health "
+        "(default: the ENGINE_API_KEY environment variable, if set)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="model name(s) clients use (repeat for aliases; default: the --model value)",
+    )
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    _common(s)
+    s.set_defaults(func=cmd_serve)
+
+    r = subparsers.add_parser("rpc", help="serve the ZeroMQ RPC API (engine.client.RPCClient)")
+    engine_args_fn(r)
+    r.add_argument("--address", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint to bind")
+    r.add_argument("--max-inflight", type=int, default=1024, help="calls in flight at most")
+    _common(r)
+    r.set_defaults(func=cmd_rpc)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may finish after SIGTERM before they are aborted",
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=None,
+        help="requests in flight before new ones get 429 (default: the scheduler's max_waiting)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _make_engine(args: argparse.Namespace):
+    from engine.async_llm import AsyncLLM
+    from engine.server.cli import engine_config_from_args
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.max_pending is not None and args.max_pending < 1:
+        raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
+    return AsyncLLM(config=engine_config_from_args(args), max_pending=args.max_pending)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine import envs
+    from engine.server.http_server import serve_http
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    llm = _make_engine(args)
+    names = args.served_model_name or [args.model]
+    key = args.api_key or envs.api_key()
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    auth = ' -H "Authorization: Bearer $ENGINE_API_KEY"' if key else ""
+    body = (
+        f'{{"model": "{names[0]}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+        '"max_tokens": 32}'
+    )
+    print(
+        f"Serving {names[0]} on http://{host}:{args.port}/v1 (OpenAI-compatible).\n"
+        f"  curl http://{host}:{args.port}/v1/chat/completions"
+        f" -H 'Content-Type: application/json'{auth} -d '{body}'",
+        file=sys.stderr,
+        flush=True,
+    )
+    return serve_http(
+        llm,
+        host=args.host,
+        port=args.port,
+        served_model_names=names,
+        api_key=key,
+        drain_timeout=args.drain_timeout,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+
+
+def cmd_rpc(args: argparse.Namespace) -> int:
+    from engine.server.rpc_server import serve_rpc
+
+    llm = _make_engine(args)
+    print(
+        f"RPC server on {args.address}. From Python:\n"
+        f"  from engine.client import RPCClient\n"
+        f"  print(RPCClient({args.address!r}).generate('Hello!', max_tokens=32).text)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return serve_rpc(
+        llm,
+        address=args.address,
+        drain_timeout=args.drain_timeout,
+        model_name=args.model,
+        max_inflight=args.max_inflight,
+    )

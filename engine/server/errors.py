@@ -1,0 +1,98 @@
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, and the one map
+from engine exceptions to HTTP statuses that both the HTTP and the RPC server use."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from engine.async_llm import EngineDeadError, EngineShuttingDownError
+from engine.scheduler import QueueFullError
+
+logger = logging.getLogger("engine.server")
+
+# The type names vLLM's OpenAI server uses (and the openai client maps by status anyway).
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "TimeoutError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+
+# Request fields a ValueError from the engine may name as its first word.
+KNOWN_PARAMS = frozenset(
+    (
+        "prompt n temperature top_p top_k min_p repetition_penalty presence_penalty "
+        "frequency_penalty seed max_tokens min_tokens stop stop_token_ids logprobs request_id "
+        "messages model params timeout cache_salt tokens"
+    ).split()
+)
+_FIRST_WORD = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class APIError(Exception):
+    """An error with an HTTP status, raised anywhere in a request's handling."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def guess_param(message: str, aliases: dict[str, str] | None = None) -> str | None:
+    """The request field a validation message names first ("temperature must be ..." ->
+    "temperature"), or None. ``aliases`` renames engine fields to the request's (prompt ->
+    messages for chat)."""
+    m = _FIRST_WORD.match(message)
+    if m is None or m.group(1) not in KNOWN_PARAMS:
+        return None
+    word = m.group(1)
+    return (aliases or {}).get(word, word)
+
+
+def to_api_error(exc: BaseException, aliases: dict[str, str] | None = None) -> APIError:
+    """Map an exception from the engine (or our own code) to an APIError."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineShuttingDownError):
+        return APIError(503, str(exc) or "the server is shutting down")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc))
+    if isinstance(exc, (ValueError, TypeError)):
+        message = str(exc)
+        return APIError(400, message, guess_param(message, aliases))
+    if isinstance(exc, TimeoutError):
+        return APIError(408, str(exc) or "the request's deadline passed")
+    logger.error("internal error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}")

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an engine client.
+
+Routes: POST /v1/completions, /v1/chat/completions (both also as server-sent events),
+GET /v1/models, /health, /metrics, POST /tokenize, /detokenize. With an API key every route but
+/health needs ``Authorization: Bearer <key>``. Errors have OpenAI's shape (errors.py).
+
+Shutdown (SIGTERM or SIGINT): stop admitting (new requests and /health get 503), let in-flight
+requests finish until the drain deadline, abort the rest, close, exit 0. A second signal exits
+at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.async_llm import EngineShuttingDownError
+from engine.scheduler import QueueFullError
+from engine.server.errors import APIError, error_body, to_api_error
+from engine.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from engine.server.openai_serving import OpenAIServing
+from engine.server.prometheus import EngineCollector, Rejections, make_registry, render
+from engine.server.streams import RequestStreams
+
+logger = logging.getLogger("engine.server")
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ServerState:
+    def __init__(self) -> None:
+        self.draining = False
+
+
+def build_app(
+    llm,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    shutdown_engine: bool = True,
+) -> FastAPI:
+    """The ASGI app. ``llm`` is any EngineClient (engine_client.py); ``shutdown_engine``: shut it
+    down when the app stops (off when the engine outlives the app, as in tests)."""
+    serving = OpenAIServing(llm, served_model_names)
+    rejections = Rejections()
+    registry = make_registry(EngineCollector(llm, served_model_names[0], rejections))
+    state = ServerState()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        state.draining = True
+        if shutdown_engine:
+            await llm.shutdown(timeout=0.0)  # no-op if the drain already shut it down
+
+    app = FastAPI(title="engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.state.llm = llm
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+
+    def fail(err: APIError) -> JSONResponse:
+        if err.status == 429:
+            rejections.add("queue_full")
+        elif err.status == 503:
+            rejections.add("shutting_down")
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return fail(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return fail(_validation_api_error(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        return fail(to_api_error(exc))
+
+    async def generation(request: Request, model: type[BaseModel], make_job) -> Response:
+        if state.draining:
+            raise APIError(503, "the server is shutting down")
+        body = await read_body(request, model, max_body_bytes)
+        aliases = {"prompt": "messages"} if model is ChatCompletionRequest else None
+        try:
+            job = make_job(body)
+
+            async def admit() -> RequestStreams:
+                return await serving.start(job, body.request_id)
+
+            streams = await cancel_on_disconnect(request, admit())
+            if streams is None:
+                return Response(status_code=499)
+            if body.stream:
+                return SSEResponse(serving.stream(job, streams), streams)
+            result = await cancel_on_disconnect(request, serving.full_response(job, streams))
+            if result is None:
+                return Response(status_code=499)
+            return JSONResponse(result)
+        except (ValueError, TypeError, QueueFullError, EngineShuttingDownError) as exc:
+            raise to_api_error(exc, aliases) from exc
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, CompletionRequest, serving.completion_job)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, ChatCompletionRequest, serving.chat_job)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(llm, name) for name in served_model_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        return model_card(llm, serving.check_model(name))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return JSONResponse(error_body(503, "the server is shutting down"), 503)
+        if not llm.is_healthy():
+            return JSONResponse(error_body(503, "the engine is not running"), 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await read_body(request, TokenizeRequest, max_body_bytes)
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise APIError(400, "messages must not be empty", "messages")
+            tokens = serving.render_chat(body.messages, body.add_generation_prompt, None)
+        else:
+            tokens = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await read_body(request, DetokenizeRequest, max_body_bytes)
+        serving.check_model(body.model)
+        vocab = llm.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range [0, {vocab})", "tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+def model_card(llm, name: str) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "engine",
+        "root": str(llm.model_path),
+        "max_model_len": llm.max_model_len,
+    }
+
+
+# -- request plumbing ------------------------------------------------------------------------
+
+
+async def read_body(request: Request, model: type[BaseModel], limit: int):
+    """Read at most ``limit`` bytes and validate them strictly; 413 or 400 naming the field."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body must be at most {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body must be at most {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return model.model_validate_json(b"".join(chunks))
+    except ValidationError as exc:
+        raise _validation_api_error(exc.errors()) from None
+
+
+def _validation_api_error(errors) -> APIError:
+    if not errors:
+        return APIError(400, "invalid request body")
+    e = errors[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    if e.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {e.get('msg')}")
+    if not loc:
+        return APIError(400, f"the request body must be a JSON object: {e.get('msg')}")
+    where = ".".join(loc)
+    return APIError(400, f"{where}: {e.get('msg')}", loc[0])
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, coro):
+    """Run ``coro``, cancelling it if the client goes away first (then None). Cancelling a
+    generation closes its engine streams, which aborts the requests and frees their KV."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return None
+    return work.result()
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that always close their engine streams, even when the client is gone
+    before the first byte (then the body iterator never runs)."""
+
+    def __init__(self, content, streams: RequestStreams) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._streams.aclose()
+
+
+class BearerAuth:
+    """Pure ASGI middleware (it does not buffer streamed responses): every route but /health
+    needs ``Authorization: Bearer <api_key>``."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(
+                    error_body(401, "a valid API key is required (Authorization: Bearer <key>)"),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- running it ------------------------------------------------------------------------------
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a graceful drain on the first SIGTERM/SIGINT: the app answers 503 while
+    in-flight requests finish (until ``drain_timeout``), then uvicorn shuts down. uvicorn's own
+    handler would re-raise the signal after shutdown and so never exit 0."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self.drain_timeout = drain_timeout
+        self._drain_requested = False
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_requested:  # a second signal: stop now
+            self.should_exit = True
+            self.force_exit = True
+        self._drain_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain())
+        return await super().on_tick(counter)
+
+    async def drain(self) -> None:
+        started = time.monotonic()
+        self._app.state.server.draining = True
+        llm = self._app.state.llm
+        logger.info("draining: %d request(s) in flight", getattr(llm, "num_in_flight", -1))
+        await llm.shutdown(timeout=self.drain_timeout)
+        logger.info("drained in %.1f s; shutting down", time.monotonic() - started)
+        self.should_exit = True
+
+
+def serve_http(
+    llm,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    drain_timeout: float = 30.0,
+    log_level: str = "info",
+    access_log: bool = False,
+    max_connections: int = 2048,
+) -> int:
+    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread."""
+    app = build_app(llm, served_model_names or [str(llm.model_path)], api_key)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        limit_concurrency=max_connections,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = DrainingServer(config, app, drain_timeout)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.handle_exit)  # also covers a signal before uvicorn starts
+    server.run()
+    return 0

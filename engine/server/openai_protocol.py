@@ -1,0 +1,173 @@
+"""Request bodies of the OpenAI-compatible API, as strict pydantic models.
+
+Strict: a wrong JSON type is a 400 naming the field, never a silent coercion ("1" is not 1,
+true is not 1). Unknown fields are ignored, as OpenAI-compatible servers do, so clients that
+send extra options still work. Ranges are checked by ``SamplingParams`` (one place, one message
+style); here only what SamplingParams cannot see.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+
+MAX_N = 128  # choices per prompt, as OpenAI caps n
+MAX_SEQUENCES = 1024  # prompts x n in one request
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1 - MAX_N  # the engine seeds choice i with seed + i
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    request_id: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, max_length=256)
+
+    def _check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}) when given, got {self.best_of}")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this request; raises ValueError naming a bad field."""
+        self._check_unsupported()
+        given = {
+            name: getattr(self, name)
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
+            if getattr(self, name) is not None
+        }
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(
+            n=self.n,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            **given,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: one text or token-id list per prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    def engine_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def check_chat_unsupported(self) -> None:
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported")
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,306 @@
+"""The OpenAI completions and chat completions: request -> engine requests -> response bodies.
+
+Knows nothing of HTTP: it returns a dict (a whole response) or an async iterator of server-sent
+event bytes, and raises APIError or the engine's own exceptions (mapped in errors.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.server.errors import APIError, to_api_error
+from engine.server.openai_protocol import (
+    MAX_SEQUENCES,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+from engine.server.streams import RequestStreams
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(obj) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+@dataclass
+class Job:
+    """One API request, resolved: its prompts as token ids and its sampling parameters."""
+
+    chat: bool
+    id: str
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs in the response
+    echo: list[str] | None = None  # completions with echo: the prompt texts
+    cache_salt: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    def __init__(self, llm, model_names: list[str]) -> None:
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.model_names = model_names
+        self._token_str: dict[int, str] = {}  # bounded by the vocabulary
+
+    # -- resolving requests -------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.model_names:
+            return self.model_names[0] if name is None else name
+        raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def _default_max_tokens(self, prompts: list[list[int]]) -> int:
+        return max(1, self.llm.max_model_len - max(len(p) for p in prompts))
+
+    def completion_job(self, req: CompletionRequest) -> Job:
+        model = self.check_model(req.model)
+        if req.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if req.echo and req.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported")
+        raw = req.prompts()
+        _check_count(len(raw), req.n)
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in raw]
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = self._default_max_tokens(prompts)
+        params = req.sampling_params(max_tokens, req.logprobs)
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw]
+        return Job(
+            chat=False,
+            id=f"cmpl-{uuid.uuid4().hex}",
+            model=model,
+            prompts=prompts,
+            params=params,
+            include_usage=req.include_usage,
+            top_logprobs=req.logprobs,
+            echo=echo,
+            cache_salt=req.cache_salt,
+        )
+
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        model = self.check_model(req.model)
+        req.check_chat_unsupported()
+        prompt = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = self._default_max_tokens([prompt])
+        logprobs = req.engine_logprobs()
+        return Job(
+            chat=True,
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            model=model,
+            prompts=[prompt],
+            params=req.sampling_params(max_tokens, logprobs),
+            include_usage=req.include_usage,
+            top_logprobs=logprobs,
+            cache_salt=req.cache_salt,
+        )
+
+    def render_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None
+    ) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.as_template_dict() for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **(kwargs or {}),
+            )
+        except Exception as exc:  # the template rejected the conversation (roles, content ...)
+            raise APIError(400, f"messages could not be rendered: {exc}", "messages") from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def start(self, job: Job, request_id: str | None = None) -> RequestStreams:
+        return await RequestStreams.start(
+            self.llm, job.prompts, job.params, request_id or job.id, job.cache_salt
+        )
+
+    # -- whole responses ------------------------------------------------------------------------
+
+    async def full_response(self, job: Job, streams: RequestStreams) -> dict:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in streams:
+                finals[i] = out
+        finally:
+            await streams.aclose()
+        choices = []
+        for i in sorted(finals):
+            for c in finals[i].outputs:
+                choices.append(self._choice(job, i, c))
+        choices.sort(key=lambda c: c["index"])
+        return {
+            "id": job.id,
+            "object": "chat.completion" if job.chat else "text_completion",
+            "created": job.created,
+            "model": job.model,
+            "choices": choices,
+            "usage": self._usage(job, finals),
+        }
+
+    def _choice(self, job: Job, prompt_index: int, c: CompletionOutput) -> dict:
+        index = prompt_index * job.params.n + c.index
+        lps = None
+        if job.top_logprobs is not None and c.logprobs is not None:
+            lps = self._logprobs(job, c.token_ids, c.logprobs, 0)
+        out = {"index": index, "logprobs": lps, "finish_reason": c.finish_reason}
+        if job.chat:
+            out["message"] = {"role": "assistant", "content": c.text}
+        else:
+            out["text"] = (job.echo[prompt_index] if job.echo else "") + c.text
+        out["stop_reason"] = c.stop_reason
+        return out
+
+    def _usage(self, job: Job, finals: dict[int, RequestOutput]) -> dict:
+        prompt = sum(len(p) for p in job.prompts)
+        completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
+        cached = sum(out.metrics.num_cached_tokens for out in finals.values() if out.metrics)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    # -- streamed responses --------------------------------------------------------------------
+
+    async def stream(self, job: Job, streams: RequestStreams) -> AsyncIterator[bytes]:
+        """Server-sent events: one chunk per choice that moved, then usage, then [DONE]. An
+        error after the headers went out is sent as an error event."""
+        finals: dict[int, RequestOutput] = {}
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        try:
+            async for i, out in streams:
+                finals[i] = out
+                parts = [
+                    sse(self._chunk(job, i, c, started, offsets))
+                    for c in out.outputs
+                    if c.new_token_ids or c.new_text or c.finish_reason
+                ]
+                if parts:
+                    yield b"".join(parts)
+        except Exception as exc:
+            yield sse(to_api_error(exc).body())
+            yield DONE
+            return
+        finally:
+            await streams.aclose()
+        if job.include_usage:
+            yield sse(self._chunk_head(job, [], usage=self._usage(job, finals)))
+        yield DONE
+
+    def _chunk_head(self, job: Job, choices: list, usage: dict | None = None) -> dict:
+        out = {
+            "id": job.id,
+            "object": "chat.completion.chunk" if job.chat else "text_completion",
+            "created": job.created,
+            "model": job.model,
+            "choices": choices,
+        }
+        if job.include_usage:
+            out["usage"] = usage
+        return out
+
+    def _chunk(
+        self, job: Job, prompt_index: int, c: CompletionOutput, started: set, offsets: dict
+    ) -> dict:
+        index = prompt_index * job.params.n + c.index
+        first = index not in started
+        started.add(index)
+        text = c.new_text
+        lps = None
+        if job.top_logprobs is not None and c.new_logprobs is not None:
+            lps = self._logprobs(job, c.new_token_ids, c.new_logprobs, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(text)
+        if job.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": index, "delta": delta}
+        else:
+            if first and job.echo:
+                text = job.echo[prompt_index] + text
+            choice = {"index": index, "text": text}
+        choice["logprobs"] = lps
+        choice["finish_reason"] = c.finish_reason
+        if c.finish_reason is not None:
+            choice["stop_reason"] = c.stop_reason
+        return self._chunk_head(job, [choice])
+
+    # -- logprobs -------------------------------------------------------------------------------
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_str.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_str[token_id] = s
+        return s
+
+    def _logprobs(
+        self, job: Job, token_ids: list[int], lps: list[TokenLogprob], offset: int
+    ) -> dict:
+        k = job.top_logprobs or 0
+        if job.chat:
+            content = []
+            for lp in lps:
+                s = self.token_str(lp.token_id)
+                top = sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
+                content.append(
+                    {
+                        "token": s,
+                        "logprob": max(lp.logprob, MIN_LOGPROB),
+                        "bytes": list(s.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": self.token_str(t),
+                                "logprob": max(v, MIN_LOGPROB),
+                                "bytes": list(self.token_str(t).encode()),
+                            }
+                            for t, v in top
+                        ],
+                    }
+                )
+            return {"content": content}
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in lps:
+            s = self.token_str(lp.token_id)
+            tokens.append(s)
+            values.append(max(lp.logprob, MIN_LOGPROB))
+            top = dict(sorted(lp.top.items(), key=lambda kv: -kv[1])[:k])
+            top.setdefault(lp.token_id, lp.logprob)
+            tops.append({self.token_str(t): max(v, MIN_LOGPROB) for t, v in top.items()})
+            offsets.append(offset)
+            offset += len(s)
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+def _check_count(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_SEQUENCES:
+        raise ValueError(
+            f"prompt count ({num_prompts}) times n ({n}) must be <= {MAX_SEQUENCES}, "
+            f"got {num_prompts * n}"
+        )

@@ -1,0 +1,131 @@
+"""Prometheus export: a collector that reads the engine's metrics snapshot on each scrape.
+
+Names follow vLLM's with our prefix (``engine:time_to_first_token_seconds`` ...), each with a
+``model_name`` label. Nothing is copied into prometheus-client's own metric objects: the engine
+keeps the numbers, the collector only formats them, so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+PREFIX = "engine:"
+
+
+class Rejections:
+    """Requests the server turned away before the engine saw them, by reason."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def add(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class EngineCollector(Collector):
+    def __init__(self, llm, model_name: str, rejections: Rejections | None = None) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.rejections = rejections or Rejections()
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.llm.metrics()
+        lv = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(lv, value)
+            return c
+
+        def histogram(name: str, doc: str, buckets, total: float) -> Metric:
+            h = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            h.add_metric(lv, [(floatToGoString(b), c) for b, c in buckets], sum_value=total)
+            return h
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", s.kv_usage)
+        yield gauge("num_kv_blocks", "KV cache blocks in the paged cache.", s.num_blocks)
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries
+        )
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits
+        )
+        yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions)
+        yield counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
+        yield counter(
+            "prompt_tokens_computed",
+            "Prompt tokens run through the model (not served from the cache).",
+            s.computed_prompt_tokens,
+        )
+        yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+
+        success = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Finished requests, by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in sorted(s.finished.items()):
+            success.add_metric([self.model_name, str(reason)], count)
+        yield success
+
+        rejected = CounterMetricFamily(
+            PREFIX + "request_rejected",
+            "Requests turned away (queue full, shutting down, engine admission), by reason.",
+            labels=["model_name", "reason"],
+        )
+        counts = self.rejections.snapshot()
+        if s.rejected:
+            counts["engine"] = counts.get("engine", 0) + s.rejected
+        for reason in ("queue_full", "shutting_down"):
+            counts.setdefault(reason, 0)
+        for reason, count in sorted(counts.items()):
+            rejected.add_metric([self.model_name, reason], count)
+        yield rejected
+
+        yield histogram("time_to_first_token_seconds", "Time to first token.", s.ttft, s.ttft_sum)
+        yield histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens.", s.itl, s.itl_sum
+        )
+        yield histogram(
+            "e2e_request_latency_seconds", "Arrival to finish of a request.", s.e2e, s.e2e_sum
+        )
+        yield histogram(
+            "request_queue_time_seconds",
+            "Arrival to first scheduling of a request.",
+            s.queue_time,
+            s.queue_time_sum,
+        )
+
+
+def make_registry(collector: EngineCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

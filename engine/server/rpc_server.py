@@ -1,0 +1,349 @@
+"""The ZeroMQ RPC server: a ROUTER socket, msgpack messages, streamed replies (see
+engine/client.py for the protocol and the clients).
+
+All socket IO runs on one asyncio loop (zmq.asyncio); each generate/stream call is a task that
+drives one engine request. Replies are sent without blocking: a peer that is gone or reads too
+slowly to keep up (its send queue is full) has its calls aborted, so a dead client never holds
+KV blocks. A frame that is not a valid request gets an error reply; nothing a client sends can
+stop the loop. Every call has a deadline, enforced here as well as in the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import signal
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from engine.client import DEFAULT_ADDRESS, OPS, pack
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server.errors import APIError, to_api_error
+from engine.server.openai_protocol import MAX_N
+
+logger = logging.getLogger("engine.server.rpc")
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+SEND_HWM = 100_000  # replies queued per peer before the peer counts as too slow
+_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"extra"}
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+@dataclass
+class _Call:
+    peer: tuple[bytes, ...]  # identity frame and envelope, to address the replies
+    call_id: object
+    request_id: str  # the client's name for it (scoped to the client)
+    engine_id: str  # the engine's name for it (unique)
+    stream: bool
+    task: asyncio.Task | None = None
+    expired: bool = False
+
+
+def params_from_wire(raw) -> SamplingParams:
+    """SamplingParams from an untrusted map: unknown keys and wrong types are 400s."""
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise ValueError(f"params must be a map, got {type(raw).__name__}")
+    unknown = sorted(str(k) for k in raw if k not in _PARAM_FIELDS)
+    if unknown:
+        raise ValueError(f"params has unknown fields: {', '.join(unknown)}")
+    for name in _BOOL_FIELDS:
+        if name in raw and not isinstance(raw[name], bool):
+            raise ValueError(f"{name} must be a boolean, got {raw[name]!r}")
+    if isinstance(raw.get("n"), int) and raw["n"] > MAX_N:
+        raise ValueError(f"n must be <= {MAX_N}, got {raw['n']}")
+    seed = raw.get("seed")
+    if isinstance(seed, int) and not -(2**63) <= seed <= 2**63 - 1 - MAX_N:
+        raise ValueError(f"seed must be in [-2**63, 2**63 - {MAX_N + 1}], got {seed}")
+    for name in ("stop", "stop_token_ids"):
+        if name in raw and not isinstance(raw[name], (list, str)):
+            raise ValueError(f"{name} must be a list, got {raw[name]!r}")
+    return SamplingParams(**raw)
+
+
+def _wire_output(c: CompletionOutput, delta: bool) -> dict:
+    lps = c.new_logprobs if delta else c.logprobs
+    return {
+        "index": c.index,
+        "text": c.new_text if delta else c.text,
+        "token_ids": list(c.new_token_ids if delta else c.token_ids),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "logprobs": None
+        if lps is None
+        else [[lp.token_id, lp.logprob, [[t, v] for t, v in lp.top.items()]] for lp in lps],
+    }
+
+
+def _usage(out: RequestOutput | None) -> dict:
+    if out is None:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    return {
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": sum(len(c.token_ids) for c in out.outputs),
+        "cached_tokens": out.metrics.num_cached_tokens if out.metrics else 0,
+    }
+
+
+class RPCServer:
+    def __init__(
+        self,
+        llm,
+        address: str = DEFAULT_ADDRESS,
+        model_name: str | None = None,
+        max_inflight: int = 1024,
+        default_timeout: float = 600.0,
+        max_timeout: float = 3600.0,
+        drain_timeout: float = 30.0,
+        shutdown_engine: bool = True,
+    ) -> None:
+        self.llm = llm
+        self.address = address
+        self.model_name = model_name or str(llm.model_path)
+        self.max_inflight = max_inflight
+        self.default_timeout = default_timeout
+        self.max_timeout = max_timeout
+        self.drain_timeout = drain_timeout
+        self.shutdown_engine = shutdown_engine
+        self.bound_address: str | None = None  # the endpoint actually bound (port 0 resolved)
+        self.draining = False
+        self._calls: dict[tuple[bytes, str], _Call] = {}
+        self._stop: asyncio.Event | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Begin the drain (safe from the loop's thread only; signals use the loop)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    async def serve(self, ready: asyncio.Event | None = None) -> None:
+        """Bind, serve until request_stop(), then drain: new calls get 503, calls in flight
+        finish until drain_timeout, the rest are aborted."""
+        self._stop = asyncio.Event()
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.bind(self.address)
+        self._sock = sock
+        self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        logger.info("RPC server on %s", self.bound_address)
+        receiver = asyncio.ensure_future(self._receive_loop())
+        if ready is not None:
+            ready.set()
+        try:
+            await self._stop.wait()
+            await self._drain()
+        finally:
+            receiver.cancel()
+            await asyncio.gather(receiver, return_exceptions=True)
+            sock.close(linger=1000)
+            ctx.term()
+
+    async def _drain(self) -> None:
+        self.draining = True
+        tasks = [c.task for c in self._calls.values() if c.task is not None]
+        logger.info("draining: %d call(s) in flight", len(tasks))
+        if self.shutdown_engine:
+            await self.llm.shutdown(timeout=self.drain_timeout)  # finishes or aborts them all
+        elif tasks:
+            await asyncio.wait(tasks, timeout=self.drain_timeout)
+        for t in tasks:
+            t.cancel()  # aborts the engine request (no-op if finished)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                self._dispatch(frames)
+            except Exception:  # never let one message stop the loop
+                logger.exception("error handling an RPC message")
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return  # nothing to reply to
+        peer, payload = tuple(frames[:-1]), frames[-1]
+        call_id = None
+        try:
+            msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+            if not isinstance(msg, dict):
+                raise ValueError(f"a request must be a msgpack map, got {type(msg).__name__}")
+            call_id = msg.get("id")
+            if call_id is not None and not isinstance(call_id, (int, str)):
+                call_id = None
+                raise ValueError("id must be an integer or a string")
+            op = msg.get("op")
+            if op not in OPS:
+                raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+            if op in ("generate", "stream"):
+                self._start_call(peer, call_id, msg, stream=op == "stream")
+            elif op == "abort":
+                self._abort(peer, call_id, msg)
+            elif op == "health":
+                self._health(peer, call_id)
+            else:
+                metrics = dataclasses.asdict(self.llm.metrics())
+                self._send(peer, {"id": call_id, "type": "ok", "metrics": metrics})
+        except Exception as exc:
+            if isinstance(exc, (msgpack.UnpackException, msgpack.ExtraData)):
+                exc = ValueError(f"the frame is not a valid msgpack message: {exc}")
+            elif isinstance(exc, (ValueError, TypeError)) and not str(exc):
+                exc = ValueError(f"malformed request: {type(exc).__name__}")
+            self._send_error(peer, call_id, to_api_error(exc))
+
+    def _start_call(self, peer, call_id, msg: dict, stream: bool) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down")
+        if len(self._calls) >= self.max_inflight:
+            raise APIError(429, f"too many calls in flight ({self.max_inflight}); retry later")
+        prompt = msg.get("prompt")
+        if isinstance(prompt, list):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt must be a string or a list of integer token ids")
+        elif not isinstance(prompt, str):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        params = params_from_wire(msg.get("params"))
+        request_id = msg.get("request_id") or uuid.uuid4().hex
+        salt = msg.get("cache_salt")
+        if not isinstance(request_id, str) or len(request_id) > 256:
+            raise ValueError("request_id must be a string of at most 256 characters")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError("cache_salt must be a string")
+        timeout = msg.get("timeout")
+        if timeout is None:
+            timeout = self.default_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise ValueError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not (math.isfinite(timeout) and 0 < timeout <= self.max_timeout):
+            raise ValueError(f"timeout must be in (0, {self.max_timeout}] seconds, got {timeout}")
+        key = (peer[0], request_id)
+        if key in self._calls:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        call = _Call(peer, call_id, request_id, f"rpc-{uuid.uuid4().hex}", stream)
+        self._calls[key] = call
+        call.task = asyncio.ensure_future(self._run_call(key, call, prompt, params, salt))
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(timeout, self._expire, call)
+        call.task.add_done_callback(lambda _: timer.cancel())
+
+    def _expire(self, call: _Call) -> None:
+        if call.task is not None and not call.task.done():
+            call.expired = True
+            call.task.cancel()
+
+    async def _run_call(self, key, call: _Call, prompt, params, salt) -> None:
+        last: RequestOutput | None = None
+        try:
+            gen = self.llm.generate(prompt, params, request_id=call.engine_id, cache_salt=salt)
+            async with aclosing(gen):
+                async for out in gen:
+                    last = out
+                    if not call.stream:
+                        continue
+                    moved = [
+                        _wire_output(c, delta=True)
+                        for c in out.outputs
+                        if c.new_token_ids or c.new_text or c.finish_reason
+                    ]
+                    if moved and not self._send(call.peer, self._reply(call, "chunk", moved)):
+                        return  # the peer is gone or stuck: closing gen aborts the request
+            if call.stream:
+                self._send(call.peer, {**self._reply(call, "done"), "usage": _usage(last)})
+            else:
+                outputs = [_wire_output(c, delta=False) for c in last.outputs] if last else []
+                self._send(
+                    call.peer, {**self._reply(call, "result", outputs), "usage": _usage(last)}
+                )
+        except asyncio.CancelledError:
+            if not call.expired:
+                raise
+            self._send_error(call.peer, call.call_id, APIError(408, "the call's deadline passed"))
+        except Exception as exc:
+            self._send_error(call.peer, call.call_id, to_api_error(exc))
+        finally:
+            self._calls.pop(key, None)
+
+    @staticmethod
+    def _reply(call: _Call, kind: str, outputs: list | None = None) -> dict:
+        msg = {"id": call.call_id, "type": kind, "request_id": call.request_id}
+        if outputs is not None:
+            msg["outputs"] = outputs
+        return msg
+
+    def _abort(self, peer, call_id, msg: dict) -> None:
+        request_id = msg.get("request_id")
+        if not isinstance(request_id, str):
+            raise ValueError("request_id must be a string")
+        call = self._calls.get((peer[0], request_id))
+        if call is not None:
+            asyncio.ensure_future(self.llm.abort(call.engine_id))
+        self._send(peer, {"id": call_id, "type": "ok", "aborted": call is not None})
+
+    def _health(self, peer, call_id) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down")
+        if not self.llm.is_healthy():
+            raise APIError(503, "the engine is not running")
+        self._send(
+            peer,
+            {
+                "id": call_id,
+                "type": "ok",
+                "healthy": True,
+                "model": self.model_name,
+                "max_model_len": self.llm.max_model_len,
+                "num_calls": len(self._calls),
+            },
+        )
+
+    # -- sending ----------------------------------------------------------------------------------
+
+    def _send(self, peer: tuple[bytes, ...], msg: dict) -> bool:
+        """Send without blocking; False (and the peer's calls aborted) if it cannot take it."""
+        assert self._sock is not None
+        fut = self._sock.send_multipart([*peer, pack(msg)], flags=zmq.DONTWAIT)
+        exc = fut.exception() if fut.done() else None
+        if exc is None:
+            return True
+        logger.warning("dropping peer %r: %s", peer[0], exc)
+        for key, call in list(self._calls.items()):
+            if key[0] == peer[0] and call.task is not None:
+                call.task.cancel()
+        return False
+
+    def _send_error(self, peer, call_id, err: APIError) -> None:
+        self._send(peer, {"id": call_id, "type": "error", **err.body()})
+
+
+def serve_rpc(llm, address: str = DEFAULT_ADDRESS, drain_timeout: float = 30.0, **kwargs) -> int:
+    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread."""
+
+    async def main() -> None:
+        server = RPCServer(llm, address, drain_timeout=drain_timeout, **kwargs)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.request_stop)
+        await server.serve()
+
+    asyncio.run(main())
+    return 0
