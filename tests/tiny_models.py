@@ -10,6 +10,10 @@ them gets different logits from transformers.
     build_tiny_model("qwen2", directory)   # writes there (skips work if already written)
     tiny_model("qwen2")                    # same, in a temp dir shared by the whole process
     write_gguf(tiny_model("llama"), path, QType.Q8_0)   # llama.cpp-style GGUF of a tiny model
+    tiny_gguf("llama", QType.Q8_0)         # same, once per process
+
+Import it as ``from tiny_models import ...`` from tests/*.py (pytest puts tests/ on sys.path);
+from a subdirectory of tests/, put tests/ on sys.path first.
 
 Plain functions, no pytest fixtures: call them from a module- or session-scoped fixture.
 """
@@ -160,6 +164,13 @@ def tiny_model(kind: str) -> Path:
     return build_tiny_model(kind, _root() / kind)
 
 
+@functools.cache
+def tiny_gguf(kind: str, qtype: Any = None) -> Path:
+    """``write_gguf(tiny_model(kind), ...)``, written once per process."""
+    name = f"{kind}-{getattr(qtype, 'name', 'F32')}.gguf"
+    return write_gguf(tiny_model(kind), _root() / "gguf" / name, qtype)
+
+
 _HF_TO_GGUF = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -206,6 +217,7 @@ def write_gguf(hf_dir: str | os.PathLike[str], path: str | os.PathLike[str], qty
 
     qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
     hf_dir, path = Path(hf_dir), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = {"llama": "llama", "mistral": "llama"}.get(cfg["model_type"], cfg["model_type"])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
