@@ -1,0 +1,125 @@
+"""The embedded API on the real default model: sampling contracts, stop strings, streaming,
+bad input (the engine keeps serving), n > 1, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("default", dtype="float32", device="cpu", num_blocks=256)
+
+
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+def text(out) -> str:
+    return out.outputs[0].text
+
+
+def test_fixed_seed_reproducible_and_independent_of_batch(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16)
+    a = llm.generate(PROMPT, p)[0].outputs[0].token_ids
+    b = llm.generate(PROMPT, p)[0].outputs[0].token_ids
+    # Same seed inside a batch with other (unseeded, sampled) requests: same tokens.
+    mixed = llm.generate(
+        ["Tell me a joke.", PROMPT, "Count to five."],
+        [SamplingParams(temperature=1.0, max_tokens=8), p, SamplingParams(max_tokens=4)],
+    )
+    assert a == b == mixed[1].outputs[0].token_ids
+    other = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=16))
+    assert other[0].outputs[0].token_ids != a
+
+
+def test_top_k_1_equals_greedy(llm):
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+    top1 = llm.generate(PROMPT, SamplingParams(temperature=0.9, top_k=1, seed=5, max_tokens=16))
+    assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
+
+
+def test_stop_string_is_trimmed(llm):
+    free = text(llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24))[0])
+    # Pick a stop string from the middle of the free-running output.
+    words = free.split()
+    assert len(words) > 4
+    stop = words[3]
+    cut = free.index(stop)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))[0]
+    assert text(out) == free[:cut]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    kept = llm.generate(
+        PROMPT,
+        SamplingParams(
+            temperature=0.0, max_tokens=24, stop=[stop], include_stop_str_in_output=True
+        ),
+    )[0]
+    assert text(kept) == free[: cut + len(stop)]
+
+
+def test_streaming_deltas_add_up_to_the_final_text(llm):
+    p = SamplingParams(temperature=0.0, max_tokens=20)
+    deltas = list(llm.stream(PROMPT, p))
+    assert len(deltas) > 1
+    assert "".join(deltas) == text(llm.generate(PROMPT, p)[0])
+
+
+def test_max_tokens_and_ignore_eos(llm):
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_n_and_logprobs(llm):
+    out = llm.generate(
+        PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=3)
+    )[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        for tok, lp in zip(c.token_ids, c.logprobs):
+            assert lp.token_id == tok and lp.logprob <= 0.0
+            assert len(lp.top) >= 3
+            tops = sorted(lp.top.values(), reverse=True)
+            assert lp.logprob <= tops[0] + 1e-6
+        assert math.isclose(c.cumulative_logprob, sum(lp.logprob for lp in c.logprobs))
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=16),
+    )[0]
+    assert "Paris" in text(out)
+    assert out.prompt_token_ids[:1] == llm.tokenizer.encode("<|im_start|>", False)
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda llm: llm.generate("", SamplingParams()), "prompt"),
+        (lambda llm: llm.generate([[]], SamplingParams()), "prompt"),
+        (lambda llm: llm.generate([1] * 9000, SamplingParams()), "maximum model length"),
+        (lambda llm: llm.generate("hi", SamplingParams(max_tokens=9000)), "max_tokens"),
+        (lambda llm: llm.generate("hi", SamplingParams(max_tokens=0)), "max_tokens"),
+        (lambda llm: llm.generate("hi", SamplingParams(temperature=-1)), "temperature"),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=0.0)), "top_p"),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p"),
+        (lambda llm: llm.generate([[10**9]], SamplingParams()), "out of range"),
+    ],
+)
+def test_bad_input_raises_and_engine_keeps_serving(llm, make, field):
+    with pytest.raises(ValueError, match=field):
+        make(llm)
+    llm.engine.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
+    assert text(llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))[0])
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM("/no/such/model.gguf")
