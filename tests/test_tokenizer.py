@@ -68,6 +68,22 @@ def test_smollm2_encode_decode_match_transformers(ours, hf, text):
         assert ours.decode(ids) == text
 
 
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2"])
+def test_other_byte_level_splits_match_transformers(pre):
+    # SmolLM2's vocabulary with another tokenizer.ggml.pre: only the split regex changes.
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    meta, _ = read_gguf(resolve_model_path("default"))
+    ours = tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": pre})
+    fields = {k: meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "merges", "token_type")}
+    hf, _ = convert_gguf_tokenizer(
+        "llama", {"tokenizer_type": "gpt2", "pre_tokenizer_type": pre, **fields}
+    )
+    extra = ["Let's see: I'M sure we'd've DONE IT 1234567", "\n\n  \t x  \r\n\r\n y", "a1b22c333"]
+    for text in TEXTS + extra:
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(text).ids, text
+
+
 def test_smollm2_numerals_split_one_by_one(ours):
     # llama.cpp's "smollm" pre-tokenizer (and SmolLM2's own tokenizer.json) splits every \p{N}
     # character off; transformers' GGUF path ignores tokenizer.ggml.pre "smollm" and keeps runs
