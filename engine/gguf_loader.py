@@ -181,7 +181,7 @@ def load_gguf_checkpoint(path: str) -> Checkpoint:
         sources[target] = TensorSource(
             file, name, tensor.shape, lambda t=tensor, h=heads: _read_tensor(t, h)
         )
-    return Checkpoint(config, tokenizer, sources)
+    return Checkpoint(config, tokenizer, sources, path)
 
 
 def config_from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, Any], path: str) -> ModelConfig:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from tokenizers import Regex, normalizers
 from tokenizers import Tokenizer as Backend
@@ -34,17 +35,19 @@ ARCHITECTURES = {
 
 
 def load_hf_checkpoint(directory: str) -> Checkpoint:
-    cfg = read_json(os.path.join(directory, "config.json"))
+    config_path = os.path.join(directory, "config.json")
+    cfg = read_json(config_path)
+    config = config_from_hf(cfg, config_path)
     generation = read_json(os.path.join(directory, "generation_config.json"), missing_ok=True)
     tokenizer = load_hf_tokenizer(directory, cfg, generation)
-    config = config_from_hf(cfg, os.path.join(directory, "config.json"))
     config = replace(
         config,
         name=os.path.basename(os.path.normpath(directory)),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
     )
-    return Checkpoint(config, tokenizer, safetensors_sources(directory))
+    sources, location = safetensors_sources(directory)
+    return Checkpoint(config, tokenizer, sources, location)
 
 
 def read_json(path: str, missing_ok: bool = False) -> dict[str, Any]:
@@ -131,9 +134,11 @@ def rope_from_hf(cfg: Mapping[str, Any], path: str) -> tuple[float, RopeScaling]
     raise ValueError(f"{path}: rope scaling {kind!r} is not supported (default, linear, llama3)")
 
 
-def safetensors_sources(directory: str) -> dict[str, TensorSource]:
-    """Every tensor in the directory's safetensors files, by name (headers only are read)."""
+def safetensors_sources(directory: str) -> tuple[dict[str, TensorSource], str]:
+    """Every tensor in the directory's safetensors files, by name (only headers are read), and
+    where a missing tensor should have been, for errors."""
     index_path = os.path.join(directory, "model.safetensors.index.json")
+    weight_map: dict[str, str] = {}
     if os.path.exists(index_path):
         weight_map = read_json(index_path).get("weight_map", {})
         files = sorted(set(weight_map.values()))
@@ -142,26 +147,32 @@ def safetensors_sources(directory: str) -> dict[str, TensorSource]:
                 raise ValueError(
                     f"{os.path.join(directory, file)} (listed in {index_path}) is missing"
                 )
+        location = f"{directory} ({len(files)} safetensors files)"
     else:
         files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
         if not files:
-            raise ValueError(f"{directory}: no *.safetensors file (model.safetensors is missing)")
+            raise ValueError(f"{os.path.join(directory, 'model.safetensors')} is missing")
+        location = os.path.join(directory, files[0]) if len(files) == 1 else directory
+    handles: dict[str, Any] = {}  # one open (memory-mapped) file per shard while loading
+
+    def reader(file: str, name: str) -> Callable[[], torch.Tensor]:
+        def load() -> torch.Tensor:
+            if file not in handles:
+                handles[file] = safe_open(os.path.join(directory, file), framework="pt")
+            return handles[file].get_tensor(name)
+
+        return load
+
     sources = {}
     for file in files:
-        path = os.path.join(directory, file)
-        with safe_open(path, framework="pt") as f:
+        with safe_open(os.path.join(directory, file), framework="pt") as f:
             for name in f.keys():
                 shape = tuple(f.get_slice(name).get_shape())
-                sources[name] = TensorSource(file, name, shape, _reader(path, name))
-    return sources
-
-
-def _reader(path: str, name: str):
-    def load():
-        with safe_open(path, framework="pt") as f:
-            return f.get_tensor(name)
-
-    return load
+                sources[name] = TensorSource(file, name, shape, reader(file, name))
+    for name, file in weight_map.items():
+        if name not in sources:
+            raise ValueError(f"{file}: missing tensor {name} (the index lists it there)")
+    return sources, location
 
 
 def load_hf_tokenizer(

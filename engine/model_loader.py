@@ -53,6 +53,7 @@ class Checkpoint:
     config: ModelConfig
     tokenizer: Tokenizer
     tensors: dict[str, TensorSource]  # HF name -> source
+    location: str  # the file (or directory of shards) a missing tensor should be in
 
 
 def resolve_model_path(model: str) -> str:
@@ -139,7 +140,7 @@ def read_weights(
     missing = [name for name in expected if name not in checkpoint.tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{path}: missing tensor {missing[0]}{more}")
+        raise ValueError(f"{checkpoint.location}: missing tensor {missing[0]}{more}")
     for name, shape in expected.items():
         source = checkpoint.tensors[name]
         if source.shape != shape:

@@ -177,7 +177,21 @@ def test_error_missing_tensor(tmp_path):
     weights = load_file(directory / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: missing tensor model\.layers\.1\.mlp\.up_proj\.weight",
+    ):
+        load_model(str(directory), show_progress=False)
+
+
+def test_error_missing_tensor_in_shard(tmp_path):
+    directory = copy_model("llama_sharded", tmp_path)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    name, shard = next(iter(index["weight_map"].items()))
+    weights = load_file(directory / shard)
+    del weights[name]
+    save_file(weights, directory / shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{shard}: missing tensor {name}"):
         load_model(str(directory), show_progress=False)
 
 
