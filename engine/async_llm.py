@@ -117,6 +117,10 @@ class AsyncLLM:
             await asyncio.sleep(0.05)
         for rid in list(self._sinks):
             self._abort_now(rid)
+        # Let the loop apply those aborts (callers get finish_reason "abort", not an error).
+        deadline = time.monotonic() + 5.0
+        while self._sinks and self.is_healthy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
