@@ -216,8 +216,24 @@ def _validation_api_error(errors) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {e.get('msg')}")
     if not loc:
         return APIError(400, f"the request body must be a JSON object: {e.get('msg')}")
+    # A union field reports one error per member type ("prompt.str", "prompt.list[int].0"):
+    # name the types it accepts instead of the first member's complaint.
+    kinds = [
+        str(x["loc"][1])
+        for x in errors
+        if len(x.get("loc", ())) > 1 and x["loc"][0] == e["loc"][0] and _is_type_tag(x["loc"][1])
+    ]
+    if len(kinds) > 1:
+        accepted = ", ".join(dict.fromkeys(kinds))
+        return APIError(400, f"{loc[0]} must be one of these types: {accepted}", loc[0])
     where = ".".join(loc)
     return APIError(400, f"{where}: {e.get('msg')}", loc[0])
+
+
+def _is_type_tag(part) -> bool:
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "dict", "list") or "[" in part
+    )
 
 
 async def _until_disconnect(request: Request) -> None:
