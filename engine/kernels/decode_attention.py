@@ -20,7 +20,8 @@ from engine.kernels._launch import (
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (Q load, partial write, merge) dominates
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # chosen by the heuristic
+MAX_FORCED_SPLITS = 128  # num_splits argument clamped to this
 
 
 def decode_attention_ref(
@@ -265,8 +266,11 @@ def decode_attention_triton(
     if num_splits is None:
         bound = max_seq_len if max_seq_len else block_tables.shape[1] * block_size
         num_splits = choose_num_splits(batch, num_kv_heads, bound, num_sms(device))
+    # A hint: more than MAX_FORCED_SPLITS would only grow the merge kernel's register tile.
+    num_splits = min(num_splits, MAX_FORCED_SPLITS)
     block_h = max(16, triton.next_power_of_2(group))
-    block_n = 32 if q.dtype == torch.float32 or head_dim_pad > 128 else 64
+    # fp32 (IEEE dots on CUDA cores) and big heads: smaller tiles, fewer registers (see prefill).
+    block_n = 16 if q.dtype == torch.float32 else (64 if head_dim_pad <= 128 else 32)
     check_dot_shape(block_h, block_n, head_dim_pad)
     check_dot_shape(block_h, head_dim_pad, block_n)
     if num_splits > 1:

@@ -211,17 +211,19 @@ def prefill_config(
     max_seqlen_q: int, group: int, head_dim_pad: int, dtype: torch.dtype
 ) -> PrefillConfig:
     """Tile sizes. Short queries (decode, small chunks) get the 16-row tile vLLM uses, so a q_len
-    of 1 wastes little; long chunks get 64 or 128 rows for more reuse of each K/V tile. fp32 and
-    head dims > 128 get smaller tiles to stay inside shared memory and registers."""
-    big = dtype == torch.float32 or head_dim_pad > 128
-    if max_seqlen_q * group <= 32:
-        block_m = 16
-    elif max_seqlen_q * group <= 128 or big:
-        block_m = 64
+    of 1 wastes little; long chunks get 64 or 128 rows for more reuse of each K/V tile. Head dims
+    > 128 get smaller tiles to stay inside shared memory. fp32 runs IEEE fp32 dots on the CUDA
+    cores, whose register use grows with the tile: the smallest tiles keep spills down (fp32 is
+    for checking, not for speed)."""
+    if dtype == torch.float32:
+        block_m, tile_n = 16, 16
+    elif max_seqlen_q * group <= 32:
+        block_m, tile_n = 16, 64 if head_dim_pad <= 128 else 32
+    elif max_seqlen_q * group <= 128 or head_dim_pad > 128:
+        block_m, tile_n = 64, 64 if head_dim_pad <= 128 else 32
     else:
-        block_m = 128
+        block_m, tile_n = 128, 64
     block_m = max(block_m, triton.next_power_of_2(group))
-    tile_n = 32 if big else 64
     return PrefillConfig(
         block_m=block_m,
         block_q=block_m // group,
