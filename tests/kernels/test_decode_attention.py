@@ -81,7 +81,7 @@ def test_many_empty_splits():
     # 16 splits over sequences of 1..40 tokens: most splits have no work and must weigh nothing.
     check([1, 2, 40], 9, 3, 64, 16, torch.float32, num_splits=16)
     # A huge hint is clamped (MAX_FORCED_SPLITS), not an error.
-    check([3, 200], 4, 2, 64, 16, torch.float16, num_splits=10_000)
+    check([3, 200], 4, 1, 64, 16, torch.float16, num_splits=10_000)
 
 
 def test_split_count_from_table_width_without_hint():
