@@ -6,8 +6,8 @@
 #   bash profiling/gpu_check.sh            # full table, a few minutes on an H200
 #   bash profiling/gpu_check.sh --quick    # fewer sizes, shorter timing
 #
-# Works on a fresh machine: creates (or reuses) .venv, seeing the system's packages so that a GPU
-# image's CUDA torch and triton are used; installs torch and triton only if they are missing.
+# Works on a fresh machine: reuses .venv or a system python3 with CUDA torch, else creates .venv
+# and installs torch and triton there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
@@ -16,23 +16,23 @@ RESULTS=profiling/results
 
 cuda_ok() { "$1" -c 'import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
 
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv --system-site-packages "$VENV"
-fi
-PY=$VENV/bin/python
-if ! "$PY" -c 'import torch, triton' 2>/dev/null; then
-    "$PY" -m pip install -q torch triton
-fi
-if ! cuda_ok "$PY"; then
-    # e.g. a reused .venv holding a CPU-only torch: fall back to the system python if it has CUDA.
-    if command -v python3 >/dev/null && cuda_ok python3; then
-        echo "note: $VENV's torch sees no GPU; using $(command -v python3)" >&2
-        PY=python3
-    else
+# 1. a .venv whose torch sees the GPU; 2. a system python3 that has one (a GPU image: no venv is
+# made, since a venv made from a venv's python would not see that venv's packages); 3. else make
+# .venv and pip install torch and triton into it (needs a package index).
+if [ -x "$VENV/bin/python" ] && cuda_ok "$VENV/bin/python"; then
+    PY=$VENV/bin/python
+elif command -v python3 >/dev/null && cuda_ok python3; then
+    PY=$(command -v python3)
+else
+    [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+    PY=$VENV/bin/python
+    "$PY" -c 'import torch, triton' 2>/dev/null || "$PY" -m pip install -q torch triton
+    if ! cuda_ok "$PY"; then
         echo "error: no torch with CUDA found ($VENV or python3); nothing was run" >&2
         exit 2
     fi
 fi
+echo "python: $PY ($("$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'))"
 # The engine package (only engine.kernels is imported; kernels.py also puts the repo on sys.path).
 "$PY" -c 'import engine.kernels' 2>/dev/null \
     || "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
