@@ -29,17 +29,6 @@ from engine.model_loader import Checkpoint, TensorSource
 from engine.tokenizer import tokenizer_from_gguf
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3")
-# Quant types we test; gguf.quants dequantizes more, and those are allowed too.
-TESTED_QTYPES = (
-    QType.F32,
-    QType.F16,
-    QType.BF16,
-    QType.Q8_0,
-    QType.Q4_0,
-    QType.Q4_1,
-    QType.Q4_K,
-    QType.Q6_K,
-)
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -154,7 +143,10 @@ def load_gguf_checkpoint(path: str) -> Checkpoint:
         meta, tensors = read_gguf(path)
     except (struct.error, UnicodeDecodeError, KeyError) as exc:
         raise ValueError(f"{path}: not a readable GGUF file ({exc!r})") from exc
-    tokenizer = tokenizer_from_gguf(meta)
+    try:
+        tokenizer = tokenizer_from_gguf(meta)
+    except KeyError as exc:
+        raise ValueError(f"{path}: tokenizer metadata {exc} is missing") from exc
     config = config_from_gguf(meta, tensors, path)
     config = replace(
         config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
@@ -341,5 +333,6 @@ def _read_tensor(tensor: GGUFTensor, heads: int | None) -> torch.Tensor:
 
 
 def _can_dequantize(qtype: QType) -> bool:
+    # Tested: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; gguf.quants has the other ggml types.
     # gguf.quants registers a dequantizer per type; the registry has no public accessor.
     return qtype in (QType.F32, QType.F16) or qtype in getattr(gguf.quants, "_type_traits", {})

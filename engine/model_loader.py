@@ -148,7 +148,16 @@ def read_weights(
                 f"{source.file}: tensor {source.name} has shape {list(source.shape)}, but the "
                 f"config implies {list(shape)} for {name}"
             )
-    unused = sorted(set(checkpoint.tensors) - set(expected))
+    unused = sorted(set(checkpoint.tensors) - set(expected) - {"lm_head.weight"})
+    for name in unused:
+        # A weight the runtime has no place for (an o_proj bias, a 31st layer) would be silently
+        # dropped; buffers such as rotary inv_freq are harmless.
+        if name.endswith((".weight", ".bias")):
+            source = checkpoint.tensors[name]
+            raise ValueError(
+                f"{source.file}: unexpected tensor {source.name} ({name}); "
+                f"the {checkpoint.config.architecture} runtime has no use for it"
+            )
     if unused:
         logger.warning("%s: ignoring %d tensors, e.g. %s", path, len(unused), unused[0])
     if checkpoint.tokenizer.vocab_size > checkpoint.config.vocab_size:

@@ -1,11 +1,11 @@
 """The engine's tokenizer: a ``tokenizers.Tokenizer`` plus what the model file says around it
 (BOS and end-of-generation ids, whether BOS is added, the chat template).
 
-Two builders make the ``tokenizers`` backend from bare vocabularies, as a GGUF file or a
+Builders make the ``tokenizers`` backend from bare vocabularies, as a GGUF file or a
 SentencePiece ``tokenizer.model`` stores them: byte-level BPE (GPT-2 style, with the split regex
-that ``tokenizer.ggml.pre`` names) and SentencePiece BPE (tokens, scores and token types, with byte
-fallback). Hugging Face directories bring a ``tokenizer.json`` and need neither (see hf_loader.py).
-"""
+that ``tokenizer.ggml.pre`` names, as llama.cpp splits) and SentencePiece (tokens, scores and
+token types, with byte fallback; BPE, or Unigram for a unigram tokenizer.model). Hugging Face
+directories usually bring a ``tokenizer.json`` and need neither (see hf_loader.py)."""
 
 from __future__ import annotations
 

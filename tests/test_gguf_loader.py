@@ -11,7 +11,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
-from tiny_models import _llama3_rope_factors, llama_cpp_permute, tiny_gguf, tiny_model
+from tiny_models import (
+    _llama3_rope_factors,
+    llama_cpp_permute,
+    tiny_gguf,
+    tiny_model,
+    write_gguf,
+)
 
 from engine.config import RopeScaling
 from engine.gguf_loader import (
@@ -239,19 +245,6 @@ def test_smollm2_config_and_tokens():
     assert loaded.weights["model.embed_tokens.weight"].shape == (49152, 576)
 
 
-def _write(path, arch: str, tensors: dict[str, np.ndarray], meta: dict | None = None) -> str:
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in (meta or {}).items():
-        writer.add_uint32(key, value)
-    for name, value in tensors.items():
-        writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
-
-
 def test_errors_name_file_and_tensor(tmp_path):
     good = tiny_gguf("llama")
     data = good.read_bytes()
@@ -270,3 +263,19 @@ def test_errors_name_file_and_tensor(tmp_path):
     missing_key = {k: v for k, v in meta.items() if k != "llama.block_count"}
     with pytest.raises(ValueError, match=r"x\.gguf: metadata key llama\.block_count is missing"):
         config_from_gguf(missing_key, {}, "x.gguf")
+
+    extra = {"blk.0.ffn_gate_exps.weight": np.zeros((2, 4), np.float32)}
+    path = write_gguf(tiny_model("llama"), tmp_path / "moe.gguf", extra_tensors=extra)
+    with pytest.raises(
+        ValueError, match=r"moe\.gguf: unknown tensor blk\.0\.ffn_gate_exps\.weight"
+    ):
+        load_model(str(path), show_progress=False)
+
+    writer = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"bare\.gguf: tokenizer metadata .* is missing"):
+        load_model(str(tmp_path / "bare.gguf"), show_progress=False)

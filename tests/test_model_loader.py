@@ -184,6 +184,18 @@ def test_error_missing_tensor(tmp_path):
         load_model(str(directory), show_progress=False)
 
 
+def test_error_unexpected_tensor(tmp_path):
+    directory = copy_model("llama", tmp_path)
+    weights = load_file(directory / "model.safetensors")
+    weights["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(8)  # harmless buffer
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"unexpected tensor model\.layers\.0\.self_attn\.o_proj\.bias"
+    ):
+        load_model(str(directory), show_progress=False)
+
+
 def test_error_missing_tensor_in_shard(tmp_path):
     directory = copy_model("llama_sharded", tmp_path)
     index = json.loads((directory / "model.safetensors.index.json").read_text())

@@ -207,11 +207,17 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(hf_dir: str | os.PathLike[str], path: str | os.PathLike[str], qtype: Any = None):
+def write_gguf(
+    hf_dir: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    qtype: Any = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
     """Convert a tiny HF model directory to GGUF as llama.cpp's converter does: llama.* /
     qwen2.* / qwen3.* metadata, permuted Llama q/k rows, rope_freqs for Llama 3 scaling, the
     byte-level BPE vocabulary. 2-D weights are stored as ``qtype`` (gguf.quants must be able to
-    quantize it: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); norms and biases as F32."""
+    quantize it: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); norms and biases as F32.
+    ``extra_tensors`` (GGUF name -> array) are added as they are, to test errors."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -263,6 +269,8 @@ def write_gguf(hf_dir: str | os.PathLike[str], path: str | os.PathLike[str], qty
             writer.add_tensor(gguf_tensor_name(name), data, raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_tensor_name(name), weight)
+    for name, value in (extra_tensors or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
