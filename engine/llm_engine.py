@@ -17,7 +17,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.kvcache.paged_cache import PagedKVCache, choose_num_blocks
 from engine.layers.llama import LayerHook, LlamaForCausalLM
-from engine.metrics import EngineMetrics, MetricsSnapshot
+from engine.metrics import EngineMetrics, MetricsSnapshot, StepTimes
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
@@ -84,6 +84,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.layer_hook: LayerHook | None = None
         self.num_steps = 0
+        self.step_times = StepTimes()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -179,6 +180,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, and return the outputs of requests that moved."""
         outputs, self._pending = self._pending, []
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
             return outputs
@@ -190,7 +192,9 @@ class LLMEngine:
                 with self.metrics.lock:
                     self.metrics.queue_time.observe(now - m.arrival_time)
         inputs = self.runner.prepare(sched.scheduled, self.kv.block_tables)
+        t1 = time.perf_counter()
         logits = self.runner.execute(inputs, self.layer_hook)
+        t2 = time.perf_counter()
         sampling = [s.request for s in inputs.order if s.samples]
         batch = SamplingBatch.build(
             [r.params for r in sampling],
@@ -202,6 +206,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         sampled = self.sampler(logits, batch)
+        t3 = time.perf_counter()
         self._account_computed(sched)
         self.scheduler.update_after_step(sched)
         self.num_steps += 1
@@ -217,6 +222,7 @@ class LLMEngine:
             outputs.append(self._make_output(parent, final=done))
             if done:
                 del self._parents[parent.request_id]
+        self.step_times.add(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return outputs
 
     def _account_computed(self, sched: SchedulerOutput) -> None:

@@ -117,6 +117,30 @@ class EngineMetrics:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
+@dataclass
+class StepTimes:
+    """Cumulative wall time of the parts of engine steps: scheduling and input preparation,
+    the model forward (with logits), sampling, and output processing. Benchmarks read it to
+    report scheduler overhead as a share of step time."""
+
+    steps: int = 0
+    schedule: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    process: float = 0.0
+
+    def add(self, schedule: float, forward: float, sample: float, process: float) -> None:
+        self.steps += 1
+        self.schedule += schedule
+        self.forward += forward
+        self.sample += sample
+        self.process += process
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.forward + self.sample + self.process
+
+
 @dataclass(frozen=True)
 class MetricsSnapshot:
     num_running: int
