@@ -118,20 +118,18 @@ class RPCServer:
         self.bound_address: str | None = None  # the endpoint actually bound (port 0 resolved)
         self.draining = False
         self._calls: dict[tuple[bytes, str], _Call] = {}
-        self._stop: asyncio.Event | None = None
+        self._stop = asyncio.Event()
         self._sock: zmq.asyncio.Socket | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """Begin the drain (safe from the loop's thread only; signals use the loop)."""
-        if self._stop is not None:
-            self._stop.set()
+        """Begin the drain (call it on the server's loop: call_soon_threadsafe from others)."""
+        self._stop.set()
 
     async def serve(self, ready: asyncio.Event | None = None) -> None:
         """Bind, serve until request_stop(), then drain: new calls get 503, calls in flight
         finish until drain_timeout, the rest are aborted."""
-        self._stop = asyncio.Event()
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
@@ -341,9 +339,22 @@ def serve_rpc(llm, address: str = DEFAULT_ADDRESS, drain_timeout: float = 30.0, 
     async def main() -> None:
         server = RPCServer(llm, address, drain_timeout=drain_timeout, **kwargs)
         loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        signals = []
+
+        def on_signal() -> None:  # the first drains, a second stops at once
+            signals.append(1)
+            if len(signals) == 1:
+                server.request_stop()
+            elif task is not None:
+                task.cancel()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, server.request_stop)
-        await server.serve()
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            await server.serve()
+        except asyncio.CancelledError:
+            logger.warning("stopped without draining (second signal)")
 
     asyncio.run(main())
     return 0
