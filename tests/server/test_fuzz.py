@@ -1,7 +1,10 @@
 """Property-based fuzzing of request bodies: whatever a client sends, the server answers with
 a 2xx or a 4xx in OpenAI's error shape, never a 500, and never hangs (each request has a
 deadline). Generated values mix plausible ones with wrong types and out-of-range numbers;
-output lengths stay small so that a valid request finishes quickly on a CPU."""
+output lengths stay small so that a valid request finishes quickly on a CPU.
+
+The suite runs a fixed (derandomized) set of examples; ``ENGINE_FUZZ_EXAMPLES=500`` runs a
+longer, randomized search."""
 
 from __future__ import annotations
 
