@@ -156,6 +156,11 @@ def _result(reply: dict) -> GenerateResult:
     )
 
 
+def _unreachable(address: str) -> RPCError:
+    # The socket's send queue is full: the server has not been taking messages for a while.
+    return RPCError(f"cannot send to {address}: the server is not taking requests", 503)
+
+
 def _overflow_reply() -> dict:
     message = f"more than {MAX_BUFFERED} replies were buffered for one call; it was dropped"
     return {"type": "error", "error": {"message": message, "type": "OverflowError", "code": 500}}
@@ -220,12 +225,12 @@ class RPCClient:
         msg = _request(
             "stream", 0, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
         )
-        call_id = self._send(msg)
+        call_id, box = self._send(msg)
         deadline = time.monotonic() + timeout
         done = False
         try:
             while True:
-                reply = self._recv(call_id, deadline)
+                reply = self._recv(box, deadline)
                 if reply["type"] == "done":
                     done = True
                     return
@@ -250,13 +255,17 @@ class RPCClient:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _send(self, msg: dict) -> int:
+    def _send(self, msg: dict) -> tuple[int, deque]:
         with self._lock:
             call_id = next(self._ids)
             msg["id"] = call_id
-            self._inbox[call_id] = deque()
-            self._sock.send(pack(msg))
-        return call_id
+            box: deque = deque()
+            try:
+                self._sock.send(pack(msg), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                raise _unreachable(self.address) from None
+            self._inbox[call_id] = box
+        return call_id, box
 
     def _fire(self, msg: dict) -> None:
         """Send without waiting for the reply (best effort: aborts on the way out)."""
@@ -268,17 +277,16 @@ class RPCClient:
                 pass
 
     def _call(self, msg: dict, timeout: float | None) -> dict:
-        call_id = self._send(msg)
+        call_id, box = self._send(msg)
         try:
-            reply = self._recv(call_id, time.monotonic() + (timeout or self.timeout))
+            reply = self._recv(box, time.monotonic() + (timeout or self.timeout))
         finally:
             self._inbox.pop(call_id, None)
         if reply["type"] == "error":
             raise RPCError.from_reply(reply)
         return reply
 
-    def _recv(self, call_id: int, deadline: float) -> dict:
-        box = self._inbox[call_id]
+    def _recv(self, box: deque, deadline: float) -> dict:
         while True:
             if box:
                 return box.popleft()
@@ -389,8 +397,11 @@ class AsyncRPCClient:
         call_id = next(self._ids)
         msg["id"] = call_id
         queue: asyncio.Queue = asyncio.Queue(MAX_BUFFERED)
+        try:
+            await self._sock.send(pack(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise _unreachable(self.address) from None
         self._inbox[call_id] = queue
-        await self._sock.send(pack(msg))
         return call_id, queue
 
     async def _fire(self, msg: dict) -> None:

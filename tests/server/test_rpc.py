@@ -164,3 +164,16 @@ def test_peer_that_vanishes_is_aborted(rpc, llm):
         time.sleep(0.05)
     wait_idle(llm)
     assert llm.metrics().finished.get("abort", 0) == aborted + 1
+
+
+def test_no_server_means_a_timeout_not_a_hang():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with RPCClient(f"tcp://127.0.0.1:{port}", timeout=0.3) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RPCTimeoutError):
+            c.health()
+        assert time.monotonic() - t0 < 2
