@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run chat test lint bench clean
+.PHONY: run generate chat test lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/engine serve --model default
+
+generate: $(STAMP)
 	$(BIN)/engine generate --model default --prompt "What is the capital of France? Answer in one sentence."
 
 chat: $(STAMP)

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 class TokenLogprob:
     token_id: int
     logprob: float
-    # Top-n alternatives at this position: token id -> logprob (includes the chosen one if in top-n).
+    # Top-n alternatives here: token id -> logprob (includes the chosen one if it is in the top-n).
     top: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence. ``text``/``token_ids`` are cumulative; ``new_*`` hold this step's delta."""
+    """One generated sequence. ``text``/``token_ids`` are cumulative; ``new_*`` hold this step's
+    delta."""
 
     index: int
     text: str = ""

@@ -78,7 +78,9 @@ class SamplingParams:
             value = getattr(self, name)
             check(is_num(value) and -2.0 <= value <= 2.0, name, "in [-2, 2]", value)
         check(self.seed is None or is_int(self.seed), "seed", "an integer or None", self.seed)
-        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
+        check(
+            is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens
+        )
         check(
             is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",
