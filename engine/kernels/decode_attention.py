@@ -40,7 +40,10 @@ def decode_attention_ref(
     whose K/V is already in the cache). Returns out [B, Hq, D]. num_splits is a kernel hint.
 
     Vectorised over the batch (the CPU engine runs this): gather every sequence's blocks up to the
-    longest one, mask the tail, one batched matmul pair.
+    longest one, mask the tail, one batched matmul pair. Decode attention is memory-bound, so
+    with few KV heads the matmuls run against all KV heads at once on the gathered blocks as they
+    lie ([L * Hkv, D], no permuted copy) and keep the matching head's diagonal: Hkv times the
+    (cheap) FLOPs for half the memory traffic.
     """
     if out is None:
         out = torch.empty_like(q)
@@ -50,18 +53,33 @@ def decode_attention_ref(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     n = -(-max_seq_len // block_size)
+    length = n * block_size
     blocks = block_tables[:, :n].long().clamp(min=0)
-    # [B, n*bs, Hkv, D] -> [B, Hkv, D, L] / [B, Hkv, L, D]
-    k = k_cache[blocks].reshape(batch, n * block_size, num_kv_heads, head_dim)
-    v = v_cache[blocks].reshape(batch, n * block_size, num_kv_heads, head_dim)
-    qg = q.view(batch, num_kv_heads, group, head_dim)
     compute = torch.float32
-    scores = torch.matmul(qg.to(compute), k.permute(0, 2, 3, 1).to(compute)) * scale
-    pos = torch.arange(n * block_size, device=q.device)
-    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    k = k_cache[blocks].to(compute)  # [B, n, bs, Hkv, D], contiguous
+    v = v_cache[blocks].to(compute)
+    pos = torch.arange(length, device=q.device)
+    invalid = pos[None, :] >= seq_lens[:, None].to(pos.dtype)  # [B, L]
+    if num_kv_heads <= 4:
+        qf = q.to(compute).transpose(1, 2)  # [B, D, Hq]
+        s_all = torch.bmm(k.view(batch, length * num_kv_heads, head_dim), qf)
+        s_all = s_all.view(batch, length, num_kv_heads, num_kv_heads, group)
+        # diagonal over (key head, query's kv head) -> [B, L, G, Hkv] -> [B, Hkv, G, L]
+        scores = s_all.diagonal(dim1=2, dim2=3).permute(0, 3, 2, 1) * scale
+        scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).reshape(batch, num_heads, length)
+        o_all = torch.bmm(probs, v.view(batch, length, num_kv_heads * head_dim))
+        o_all = o_all.view(batch, num_kv_heads, group, num_kv_heads, head_dim)
+        o = o_all.diagonal(dim1=1, dim2=3)  # [B, G, D, Hkv]
+        out.copy_(o.permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim))
+        return out
+    k = k.view(batch, length, num_kv_heads, head_dim)
+    v = v.view(batch, length, num_kv_heads, head_dim)
+    qg = q.view(batch, num_kv_heads, group, head_dim).to(compute)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v.transpose(1, 2).to(compute))
+    o = torch.matmul(probs, v.transpose(1, 2))
     out.copy_(o.reshape(batch, num_heads, head_dim))
     return out
 
