@@ -68,14 +68,21 @@ def prefill_attention_ref(
         if q_len == 0:
             continue
         k, v = gather_kv(k_cache, v_cache, block_tables[b], kv_len)
-        # [H, q_len, D] x [H, kv_len, D]; GQA by repeating KV heads.
+        # [H, q_len, D] x [Hkv, kv_len, D]; SDPA broadcasts KV heads over their group.
         qh = q[start:end].transpose(0, 1).float()
-        kh = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        vh = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        k_pos = torch.arange(kv_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        kh = k.transpose(0, 1).float()
+        vh = v.transpose(0, 1).float()
+        if q_len == kv_len:  # nothing cached: plain causal (the fused CPU flash path)
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=True, scale=scale, enable_gqa=group > 1
+            )
+        else:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+            k_pos = torch.arange(kv_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=group > 1
+            )
         out[start:end] = o.transpose(0, 1).to(out.dtype)
     return out
 
