@@ -17,6 +17,7 @@ from engine.kernels._launch import (
     num_sms,
     pad_dim,
 )
+from engine.kernels.paged_tile import paged_tile_step
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (Q load, partial write, merge) dominates
@@ -149,28 +150,11 @@ def _decode_split_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot_k = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks
-        slot_v = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs
-        k = tl.load(
-            k_base + slot_k[None, :] + d[:, None], mask=d_ok[:, None] & pos_ok[None, :], other=0.0
-        )
-        v = tl.load(
-            v_base + slot_v[:, None] + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = paged_tile_step(
+            q, pos_ok[None, :], table, k_base, v_base, pos, pos_ok, d, d_ok, m_i, l_i, acc,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+            BLOCK_SIZE, DOT_F32, PRECISION,
+        )  # fmt: skip
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -25,6 +25,7 @@ from engine.kernels._launch import (
     dot_precision,
     pad_dim,
 )
+from engine.kernels.paged_tile import paged_tile_step
 
 LOG2E = 1.4426950408889634
 
@@ -175,29 +176,12 @@ def _prefill_kernel(
     for start in range(0, kv_end, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         pos_ok = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot_k = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks
-        slot_v = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs
-        k = tl.load(
-            k_base + slot_k[None, :] + d[:, None], mask=d_ok[:, None] & pos_ok[None, :], other=0.0
-        )
-        v = tl.load(
-            v_base + slot_v[:, None] + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row masked so far has m_new = -inf; use 0 so exp2(-inf - 0) = 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
+        allowed = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        m_i, l_i, acc = paged_tile_step(
+            q, allowed, table, k_base, v_base, pos, pos_ok, d, d_ok, m_i, l_i, acc,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+            BLOCK_SIZE, DOT_F32, PRECISION,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
