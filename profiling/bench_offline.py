@@ -36,6 +36,28 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def ceilings() -> dict:
+    """This machine's ceilings, measured now: weight-streaming GEMV bandwidth (what batch-1 decode
+    is bound by) and GEMM throughput (what prefill is bound by), fp32 and bf16."""
+
+    def timed(a, b, reps=10) -> float:
+        a @ b.T
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b.T
+        return (time.perf_counter() - t0) / reps
+
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        w = torch.randn(8192, 4096).to(dt)  # larger than the caches
+        x = torch.randn(1, 4096).to(dt)
+        out[f"gemv_gb_s_{dt}"] = w.numel() * w.element_size() / timed(x, w) / 1e9
+        a = torch.randn(2048, 576).to(dt)
+        b = torch.randn(1536, 576).to(dt)
+        out[f"gemm_gflop_s_{dt}"] = 2 * 2048 * 576 * 1536 / timed(a, b) / 1e9
+    return out
+
+
 def bench_engine(llm: LLM, prompts, out_len: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     t0 = time.perf_counter()
@@ -98,13 +120,19 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="engine dtype (transformers always runs float32, the reference)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    print(f"torch threads: {torch.get_num_threads()}  device: cpu  dtype: float32")
+    print(f"torch threads: {torch.get_num_threads()}  device: cpu  engine dtype: {args.dtype}")
     config = EngineConfig(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         device="cpu",
         cache=CacheConfig(kv_cache_memory_gb=6.0),
         scheduler=SchedulerConfig(
@@ -120,9 +148,10 @@ def main() -> None:
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     eng = bench_engine(llm, prompts, args.output_len)
     b1 = bench_engine_batch1_decode(llm, prompts[0], args.output_len)
-    res = {"engine": eng, "engine_batch1": b1, "args": vars(args)}
+    ceil = ceilings()
+    res = {"engine": eng, "engine_batch1": b1, "ceilings": ceil, "args": vars(args)}
 
-    rows = [("engine (continuous batching)", eng["tok_s"], eng["seconds"])]
+    rows = [(f"engine (continuous batching, {args.dtype})", eng["tok_s"], eng["seconds"])]
     if not args.skip_hf:
         hf = load_hf(llm.engine.model_path)
         pad = llm.tokenizer.eos_token_ids[0]
@@ -143,8 +172,8 @@ def main() -> None:
             "batched_seconds": t_batched,
         }
         rows += [
-            (f"transformers one at a time ({len(single)} prompts)", hf_single_tok_s, t_full),
-            (f"transformers padded batches of {args.hf_batch}", hf_batched_tok_s, t_batched),
+            (f"transformers fp32 one at a time ({len(single)} prompts)", hf_single_tok_s, t_full),
+            (f"transformers fp32 padded batches of {args.hf_batch}", hf_batched_tok_s, t_batched),
         ]
 
     print()
@@ -155,6 +184,19 @@ def main() -> None:
     print(
         f"engine batch-1 decode: {b1['decode_tok_s']:.1f} tok/s, weights "
         f"{b1['weight_bytes'] / 1e6:.0f} MB -> {b1['weight_gb_s']:.2f} GB/s achieved"
+    )
+    tag = "torch.float32" if args.dtype == "float32" else "torch.bfloat16"
+    gemv = ceil[f"gemv_gb_s_{tag}"]
+    print(
+        f"machine ceilings now: GEMV {ceil['gemv_gb_s_torch.float32']:.1f} GB/s fp32, "
+        f"{ceil['gemv_gb_s_torch.bfloat16']:.1f} GB/s bf16; GEMM "
+        f"{ceil['gemm_gflop_s_torch.float32']:.0f} GFLOP/s fp32, "
+        f"{ceil['gemm_gflop_s_torch.bfloat16']:.0f} GFLOP/s bf16"
+    )
+    print(
+        f"batch-1 decode floor for these weights: {b1['weight_bytes'] / 1e9 / gemv * 1e3:.1f} ms "
+        f"= {gemv * 1e9 / b1['weight_bytes']:.1f} tok/s (engine reaches "
+        f"{b1['weight_gb_s'] / gemv:.0%} of the GEMV bandwidth)"
     )
     if "hf" in res:
         hf = res["hf"]
