@@ -64,34 +64,43 @@ def decode_attention_ref(
     invalid = pos[None, :] >= seq_lens[:, None].to(pos.dtype)  # [B, L]
     if num_kv_heads <= 4:
         # Gather a few block columns at a time, small enough to stay in cache while the matmul
-        # reads them: the KV is read from memory about once instead of three times.
+        # reads them: the KV is read from memory about once instead of three times. Rows are
+        # sorted longest first, so each block column is gathered only for the sequences that
+        # reach it (no work on padding).
+        order = torch.argsort(seq_lens, descending=True)
+        sorted_lens = seq_lens[order].tolist()
+        blocks, invalid = blocks[order], invalid[order]
         width = block_size * num_kv_heads * head_dim
         step = max(1, _GATHER_CHUNK_BYTES // (batch * width * 4))
-        qf = q.to(compute).transpose(1, 2)  # [B, D, Hq]
+        qf = q[order].to(compute).transpose(1, 2)  # [B, D, Hq]
         rows_per_block = block_size * num_kv_heads
-        s_all = torch.empty(batch, n * rows_per_block, num_heads, dtype=compute, device=q.device)
+        chunks = []  # (first block, blocks, sequences that reach it)
         for c in range(0, n, step):
-            kc = k_cache[blocks[:, c : c + step]].to(compute)  # [B, m, bs, Hkv, D]
-            m = kc.shape[1]
-            s_all[:, c * rows_per_block : (c + m) * rows_per_block] = torch.bmm(
-                kc.view(batch, m * rows_per_block, head_dim), qf
+            live = sum(1 for x in sorted_lens if x > c * block_size)
+            chunks.append((c, min(step, n - c), live))
+        s_all = torch.empty(batch, n * rows_per_block, num_heads, dtype=compute, device=q.device)
+        for c, m, live in chunks:
+            kc = k_cache[blocks[:live, c : c + m]].to(compute)  # [live, m, bs, Hkv, D]
+            s_all[:live, c * rows_per_block : (c + m) * rows_per_block] = torch.bmm(
+                kc.view(live, m * rows_per_block, head_dim), qf[:live]
             )
         s_all = s_all.view(batch, length, num_kv_heads, num_kv_heads, group)
         # diagonal over (key head, query's kv head) -> [B, L, G, Hkv] -> [B, Hkv, G, L]
         scores = s_all.diagonal(dim1=2, dim2=3).permute(0, 3, 2, 1) * scale
+        # Also overwrites the never-computed (uninitialised) entries past each sequence's end.
         scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).reshape(batch, num_heads, length)
         o_all = torch.zeros(
             batch, num_heads, num_kv_heads * head_dim, dtype=compute, device=q.device
         )
-        for c in range(0, n, step):
-            vc = v_cache[blocks[:, c : c + step]].to(compute)
-            m = vc.shape[1]
-            cols = probs[:, :, c * block_size : (c + m) * block_size]
-            o_all.baddbmm_(cols, vc.view(batch, m * block_size, num_kv_heads * head_dim))
+        for c, m, live in chunks:
+            vc = v_cache[blocks[:live, c : c + m]].to(compute)
+            cols = probs[:live, :, c * block_size : (c + m) * block_size]
+            o_all[:live].baddbmm_(cols, vc.view(live, m * block_size, num_kv_heads * head_dim))
         o_all = o_all.view(batch, num_kv_heads, group, num_kv_heads, head_dim)
         o = o_all.diagonal(dim1=1, dim2=3)  # [B, G, D, Hkv]
-        out.copy_(o.permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim))
+        o = o.permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim)
+        out.index_copy_(0, order, o.to(out.dtype))
         return out
     k = k_cache[blocks].to(compute)  # [B, n, bs, Hkv, D], contiguous
     v = v_cache[blocks].to(compute)
