@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.watermark_blocks = max(1, kv.num_blocks // 100)
 
     # -- arrivals and departures ------------------------------------------------------------
 
@@ -111,7 +112,10 @@ class Scheduler:
             break  # req itself was preempted: nothing newer is left to run
 
         # 2. Waiting requests, FCFS, while budget, sequence slots and blocks last.
-        # Nothing new is admitted in a step that had to preempt: memory is short.
+        # Nothing new is admitted in a step that had to preempt: memory is short. Admission
+        # also leaves a small watermark of free blocks for the running requests to grow into,
+        # so that a request is not admitted only to be preempted (and recomputed) steps later.
+        reserve = self.watermark_blocks if self.running else 0
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= cfg.max_num_seqs:
                 break
@@ -119,7 +123,7 @@ class Scheduler:
             hit = self.kv.find_prefix(req) if req.num_computed_tokens == 0 else None
             cached = hit.num_tokens if hit else 0
             num = min(req.num_tokens - req.num_computed_tokens - cached, budget, chunk_cap)
-            if not self.kv.allocate(req, num, hit):
+            if not self.kv.allocate(req, num, hit, reserve=reserve):
                 break
             self.waiting.popleft()
             req.num_computed_tokens += cached

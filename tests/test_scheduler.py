@@ -96,6 +96,23 @@ def test_preemption_under_tiny_budget_finishes_everything():
     assert kv.pool.check_integrity().used == 0
 
 
+def test_admission_leaves_a_watermark_for_running_requests():
+    kv = KVCacheManager(10, 4)
+    sched = Scheduler(SchedulerConfig(), kv, 40)
+    assert sched.watermark_blocks == 1
+    sched.add_request(make("a", list(range(8)), max_tokens=8))  # 2 blocks
+    sim_step(sched, [])
+    sched.add_request(make("b", list(range(100, 132)), max_tokens=1))  # needs all 8 free blocks
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["a"]  # b waits: no room to grow
+    sched.update_after_step(out)
+    # Alone, a request may use every block.
+    kv2 = KVCacheManager(8, 4)
+    sched2 = Scheduler(SchedulerConfig(), kv2, 40)
+    sched2.add_request(make("b", list(range(100, 132)), max_tokens=1))
+    assert [s.num_tokens for s in sched2.schedule().scheduled] == [32]
+
+
 def test_abort_frees_every_block():
     kv = KVCacheManager(32, 4)
     sched = Scheduler(SchedulerConfig(), kv, 128)

@@ -70,12 +70,17 @@ class KVCacheManager:
         return self._blocks_needed(req, num_new_tokens, hit) <= self.pool.num_free
 
     def allocate(
-        self, req: CacheableRequest, num_new_tokens: int, hit: PrefixHit | None = None
+        self,
+        req: CacheableRequest,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        reserve: int = 0,
     ) -> bool:
-        """Make room for num_new_tokens more tokens of req (after its prefix-cache hit, if any).
-        Returns False, changing nothing, when the pool is short."""
+        """Make room for num_new_tokens more tokens of req (after its prefix-cache hit, if any),
+        leaving at least ``reserve`` blocks free. Returns False, changing nothing, when the pool
+        is short."""
         hit = hit or PrefixHit([], 0)
-        if self._blocks_needed(req, num_new_tokens, hit) > self.pool.num_free:
+        if self._blocks_needed(req, num_new_tokens, hit) > self.pool.num_free - reserve:
             return False
         table = self.block_tables.setdefault(req.request_id, [])
         if hit.blocks:
