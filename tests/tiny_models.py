@@ -12,8 +12,8 @@ them gets different logits from transformers.
     write_gguf(tiny_model("llama"), path, QType.Q8_0)   # llama.cpp-style GGUF of a tiny model
     tiny_gguf("llama", QType.Q8_0)         # same, once per process
 
-Import it as ``from tiny_models import ...`` from tests/*.py (pytest puts tests/ on sys.path);
-from a subdirectory of tests/, put tests/ on sys.path first.
+Import it as ``from tiny_models import ...`` from any test (pyproject's pytest ``pythonpath`` puts
+tests/ on sys.path).
 
 Plain functions, no pytest fixtures: call them from a module- or session-scoped fixture.
 """

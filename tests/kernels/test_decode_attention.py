@@ -3,10 +3,9 @@ naive per-token loop, and the split-count heuristic."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from paged_inputs import TOL, random_paged_cache
 
 from engine.kernels.decode_attention import (
     MAX_SPLITS,
@@ -15,28 +14,13 @@ from engine.kernels.decode_attention import (
     decode_attention_triton,
 )
 
-TOL = {
-    torch.float32: dict(rtol=1e-5, atol=1e-5),
-    torch.float16: dict(rtol=1e-2, atol=1e-2),
-    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
-}
-
 
 def make_batch(seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
     """Random paged inputs: blocks a random permutation of the pool, table rows padded with -1."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    width = max(blocks_per_seq) + 2
-    perm = torch.randperm(num_blocks, generator=g)
-    block_tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(blocks_per_seq):
-        block_tables[b, :n] = perm[used : used + n]
-        used += n
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(dtype)
-    v_cache = torch.randn(shape, generator=g).to(dtype)
+    k_cache, v_cache, block_tables = random_paged_cache(
+        seq_lens, kv_heads, head_dim, block_size, dtype, g
+    )
     q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
     return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
 

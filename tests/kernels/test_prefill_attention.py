@@ -3,10 +3,9 @@ reference vs a naive per-token loop."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from paged_inputs import TOL, random_paged_cache
 
 from engine.kernels.prefill_attention import (
     prefill_attention_ref,
@@ -14,30 +13,15 @@ from engine.kernels.prefill_attention import (
     prefill_config,
 )
 
-TOL = {
-    torch.float32: dict(rtol=1e-5, atol=1e-5),
-    torch.float16: dict(rtol=1e-2, atol=1e-2),
-    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
-}
-
 
 def make_batch(q_lens, contexts, heads, kv_heads, head_dim, block_size, dtype, seed=0):
     """Random paged inputs: each sequence's blocks are a random permutation of the pool, table
     rows padded with -1 past the sequence, the chunk's own K/V already in the cache."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(q_lens, contexts, strict=True)]
-    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    width = max(blocks_per_seq) + 2
-    perm = torch.randperm(num_blocks, generator=g)
-    block_tables = torch.full((len(q_lens), width), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(blocks_per_seq):
-        block_tables[b, :n] = perm[used : used + n]
-        used += n
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(dtype)
-    v_cache = torch.randn(shape, generator=g).to(dtype)
+    k_cache, v_cache, block_tables = random_paged_cache(
+        seq_lens, kv_heads, head_dim, block_size, dtype, g
+    )
     q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return q, k_cache, v_cache, block_tables, cu, torch.tensor(seq_lens, dtype=torch.int32)

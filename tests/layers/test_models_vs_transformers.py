@@ -3,18 +3,12 @@ through our runtime against transformers: float32 logits at every position of a 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from tiny_models import KINDS, tiny_model
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tiny_models import KINDS, tiny_model  # noqa: E402
-
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.config import CacheConfig, EngineConfig
+from engine.llm_engine import LLMEngine
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

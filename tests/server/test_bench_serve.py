@@ -5,13 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from profiling.bench_serve import RequestResult, arrival_delays, summarize  # noqa: E402
-from profiling.serve_datasets import mooncake_requests, random_requests  # noqa: E402
+from profiling.bench_serve import RequestResult, arrival_delays, summarize
+from profiling.serve_datasets import mooncake_requests, random_requests
 
 
 class _Tok:
