@@ -39,12 +39,8 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        config = (
-            (config or EngineConfig()).with_overrides(**overrides)
-            if overrides
-            else (config or EngineConfig())
-        )
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
@@ -74,8 +70,8 @@ class LLMEngine:
             )
         # One request must always fit in the cache by itself, or preemption could not help it.
         self.max_model_len = min(max_len, num_blocks * cc.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(model, self.cache, self.model_config, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(model, self.cache, self.device)
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -230,10 +226,9 @@ class LLMEngine:
         for s in sched.scheduled:
             req = s.request
             start = req.num_computed_tokens
-            computed += max(0, min(start + s.num_tokens, req.num_prompt_tokens) - start)
-            req.metrics.num_computed_prompt_tokens += max(
-                0, min(start + s.num_tokens, req.num_prompt_tokens) - start
-            )
+            prompt_part = max(0, min(start + s.num_tokens, req.num_prompt_tokens) - start)
+            req.metrics.num_computed_prompt_tokens += prompt_part
+            computed += prompt_part
         with self.metrics.lock:
             self.metrics.computed_prompt_tokens += computed
 

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
 from engine.kvcache.paged_cache import PagedKVCache
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.llama import LayerHook, LlamaForCausalLM
@@ -33,12 +32,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(
-        self, model: LlamaForCausalLM, cache: PagedKVCache, config: ModelConfig, device
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device) -> None:
         self.model = model
         self.cache = cache
-        self.config = config
         self.device = torch.device(device)
         self.block_size = cache.block_size
         model.bind_kv_cache(cache.kv)

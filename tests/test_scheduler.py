@@ -42,7 +42,7 @@ def run(sched, finished, limit=1000):
 
 def test_token_budget_and_chunked_prefill():
     kv = KVCacheManager(64, 16)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8), kv, 1024)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8), kv)
     sched.add_request(make("a", list(range(100))))
     first = sched.schedule()
     assert [(s.request.request_id, s.num_tokens) for s in first.scheduled] == [("a", 40)]
@@ -60,7 +60,7 @@ def test_token_budget_and_chunked_prefill():
 
 def test_prefix_hit_skips_cached_blocks():
     kv = KVCacheManager(64, 16)
-    sched = Scheduler(SchedulerConfig(), kv, 1024)
+    sched = Scheduler(SchedulerConfig(), kv)
     shared = list(range(64))
     done = []
     sched.add_request(make("a", shared + [1000, 1001], max_tokens=1))
@@ -75,7 +75,7 @@ def test_prefix_hit_skips_cached_blocks():
 
 def test_fully_cached_prompt_still_computes_last_token():
     kv = KVCacheManager(64, 16)
-    sched = Scheduler(SchedulerConfig(), kv, 1024)
+    sched = Scheduler(SchedulerConfig(), kv)
     done = []
     sched.add_request(make("a", list(range(32)), max_tokens=1))
     run(sched, done)
@@ -86,7 +86,7 @@ def test_fully_cached_prompt_still_computes_last_token():
 
 def test_preemption_under_tiny_budget_finishes_everything():
     kv = KVCacheManager(6, 4)  # 24 token slots for 3 requests of up to 12 tokens
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, 24)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
     for i in range(3):
         sched.add_request(make(f"r{i}", list(range(i * 10, i * 10 + 6)), max_tokens=6))
     done = []
@@ -98,7 +98,7 @@ def test_preemption_under_tiny_budget_finishes_everything():
 
 def test_admission_leaves_a_watermark_for_running_requests():
     kv = KVCacheManager(10, 4)
-    sched = Scheduler(SchedulerConfig(), kv, 40)
+    sched = Scheduler(SchedulerConfig(), kv)
     assert sched.watermark_blocks == 1
     sched.add_request(make("a", list(range(8)), max_tokens=8))  # 2 blocks
     sim_step(sched, [])
@@ -108,14 +108,14 @@ def test_admission_leaves_a_watermark_for_running_requests():
     sched.update_after_step(out)
     # Alone, a request may use every block.
     kv2 = KVCacheManager(8, 4)
-    sched2 = Scheduler(SchedulerConfig(), kv2, 40)
+    sched2 = Scheduler(SchedulerConfig(), kv2)
     sched2.add_request(make("b", list(range(100, 132)), max_tokens=1))
     assert [s.num_tokens for s in sched2.schedule().scheduled] == [32]
 
 
 def test_abort_frees_every_block():
     kv = KVCacheManager(32, 4)
-    sched = Scheduler(SchedulerConfig(), kv, 128)
+    sched = Scheduler(SchedulerConfig(), kv)
     reqs = [make(f"r{i}", list(range(i, i + 9)), max_tokens=50) for i in range(3)]
     for r in reqs:
         sched.add_request(r)
@@ -136,7 +136,7 @@ def test_abort_frees_every_block():
 )
 def test_random_add_abort_step_keeps_integrity(ops):
     kv = KVCacheManager(12, 4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4), kv, 48)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4), kv)
     rng = random.Random(0)
     added, finished, aborted = [], [], []
     for op, x in ops:

@@ -56,6 +56,3 @@ class PagedKVCache:
             dtype=dtype,
             device=device,
         )
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[i, 0], self.kv[i, 1]
