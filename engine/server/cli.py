@@ -16,6 +16,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--kv-pool",
+        default=None,
+        metavar="SPEC",
+        help='tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or "dram=1GiB,tcp://H:P"',
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace):
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
         ),
         show_progress=True,
+        kv_pool=args.kv_pool,
     )
 
 
