@@ -15,16 +15,14 @@ the queue when the load ends. A load that fails recomputes what did not arrive.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
-
-import logging
 
 from engine.config import SchedulerConfig
 from engine.kvcache.connector import KVConnector
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ class MemoryStore:
 
     def get_into(self, key, out):
         self.gate.wait(10)
-        if key not in self.blocks or (self.fail_after is not None and self.reads >= self.fail_after):
+        failing = self.fail_after is not None and self.reads >= self.fail_after
+        if key not in self.blocks or failing:
             return None
         self.reads += 1
         out[:] = self.blocks[key]

@@ -66,11 +66,11 @@ class KVConnector(ABC):
     def finished_loads(self) -> list[LoadDone]:
         """Loads that ended since the last call. Called on the engine thread between steps."""
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float) -> None:  # noqa: B027 (optional)
         """Block up to timeout seconds until a load may have ended (the engine has nothing else
         to run)."""
 
-    def save(
+    def save(  # noqa: B027 (optional)
         self,
         req: Request,
         block_table: Sequence[int],
@@ -81,10 +81,10 @@ class KVConnector(ABC):
         """Blocks [first_block, first_block + num_blocks) of req became full and computed this
         step. Must not block the step loop on IO."""
 
-    def save_layer(self, layer: int, step: Sequence[StepBlocks]) -> None:
+    def save_layer(self, layer: int, step: Sequence[StepBlocks]) -> None:  # noqa: B027
         """Layer ``layer`` wrote this step's KV (only when per_layer)."""
 
-    def request_finished(self, req: Request) -> None:
+    def request_finished(self, req: Request) -> None:  # noqa: B027 (optional)
         """req ended; stop touching its blocks before returning."""
 
     def stats(self) -> dict:

@@ -261,4 +261,3 @@ class PoolConnector(KVConnector):
         for t in self._threads:
             t.join(timeout=5.0)
         self.store.close()
-
