@@ -394,6 +394,7 @@ class LLMEngine:
                 e2e_sum=m.e2e.total,
                 queue_time=m.queue_time.cumulative(),
                 queue_time_sum=m.queue_time.total,
+                kv_pool=self.connector.stats() if self.connector is not None else {},
             )
 
     def check_integrity(self) -> None:
