@@ -245,3 +245,24 @@ def test_dead_master_reads_miss_with_one_warning(tmp_path, caplog):
         if master.poll() is None:
             master.kill()
             master.wait(timeout=10)
+
+
+def test_engine_prefix_through_mooncake_matches_recompute(cluster):
+    """Greedy tokens of SmolLM2 with the prefix loaded from the Mooncake Store by a second engine
+    equal the full recompute; only the tail runs."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    prompt = list(range(4000, 4150))  # 9 full blocks of 16, then 6 tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    args = dict(dtype="float32", device="cpu", num_blocks=128)
+    with LLM(**args, kv_pool=cluster["url"]) as writer:
+        first = writer.generate(prompt, greedy)[0]
+        assert writer.engine.connector.flush()
+    with LLM(**args, kv_pool=cluster["url"]) as reader:
+        second = reader.generate(prompt, greedy)[0]
+        reader.engine.check_integrity()
+    assert first.metrics.num_computed_prompt_tokens == 150
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert second.metrics.kv_sources == {"remote": 144}
+    assert second.metrics.num_computed_prompt_tokens == 6
