@@ -306,25 +306,28 @@ class BearerAuth:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a graceful drain on the first SIGTERM/SIGINT: the app answers 503 while
-    in-flight requests finish (until ``drain_timeout``), then uvicorn shuts down. uvicorn's own
-    handler would re-raise the signal after shutdown and so never exit 0."""
+    in-flight requests finish (until ``drain_timeout``), then uvicorn shuts down. A second
+    signal moves the engine's deadline to now: everything in flight is aborted at the end of
+    the current step (clients get ``finish_reason: "abort"``) and the server exits as after a
+    drain. uvicorn's own handler would re-raise the signal after shutdown and so never exit 0,
+    and its force-exit would leave the engine thread inside a step while the interpreter exits
+    (a C++ abort, exit code 134)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
         super().__init__(config)
         self._app = app
         self.drain_timeout = drain_timeout
-        self._drain_requested = False
+        self._signals = 0
         self._drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._drain_requested:  # a second signal: stop now
-            self.should_exit = True
-            self.force_exit = True
-        self._drain_requested = True
+        self._signals += 1  # acted on in on_tick, on the event loop (not in the handler)
 
     async def on_tick(self, counter: int) -> bool:
-        if self._drain_requested and self._drain_task is None:
+        if self._signals and self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self.drain())
+        if self._signals > 1:
+            self._app.state.llm.set_deadline(time.monotonic())
         return await super().on_tick(counter)
 
     async def drain(self) -> None:
@@ -363,5 +366,8 @@ def serve_http(
     server = DrainingServer(config, app, drain_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)  # also covers a signal before uvicorn starts
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.close()  # the engine thread must not be inside a step while the interpreter exits
     return 0

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import math
 import signal
+import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -161,6 +162,8 @@ class RPCServer:
             await self.llm.shutdown(timeout=self.drain_timeout)  # finishes or aborts them all
         elif tasks:
             await asyncio.wait(tasks, timeout=self.drain_timeout)
+        if tasks:  # let the calls send their last replies (finish_reason "abort")
+            await asyncio.wait(tasks, timeout=1.0)
         for t in tasks:
             t.cancel()  # aborts the engine request (no-op if finished)
         if tasks:
@@ -334,27 +337,28 @@ class RPCServer:
 
 
 def serve_rpc(llm, address: str = DEFAULT_ADDRESS, drain_timeout: float = 30.0, **kwargs) -> int:
-    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread."""
+    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread. A second
+    signal aborts everything in flight at the end of the engine's current step, then exits."""
 
     async def main() -> None:
         server = RPCServer(llm, address, drain_timeout=drain_timeout, **kwargs)
         loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
         signals = []
 
-        def on_signal() -> None:  # the first drains, a second stops at once
+        def on_signal() -> None:  # the first drains, a second aborts everything now
             signals.append(1)
             if len(signals) == 1:
                 server.request_stop()
-            elif task is not None:
-                task.cancel()
+            else:
+                logger.warning("second signal: aborting everything in flight")
+                llm.set_deadline(time.monotonic())
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
-        try:
-            await server.serve()
-        except asyncio.CancelledError:
-            logger.warning("stopped without draining (second signal)")
+        await server.serve()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        llm.close()  # the engine thread must not be inside a step while the interpreter exits
     return 0
