@@ -32,8 +32,15 @@ from engine.server.openai_protocol import MAX_N
 
 logger = logging.getLogger("engine.server.rpc")
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-SEND_HWM = 100_000  # replies queued per peer before the peer counts as too slow
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a larger request gets a 413 error reply
+HARD_MAX_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES  # zmq drops a peer that sends more (no reply)
+# Replies queued per peer before the peer counts as too slow and its calls are aborted. With
+# ids and request ids bounded (MAX_ID_CHARS), a stream chunk is a few hundred bytes, so a peer
+# that never reads holds at most about SEND_HWM * 1 KB of the server's memory (one result of a
+# huge n can be larger; it is one message).
+SEND_HWM = 1000
+RECV_HWM = 1000  # requests queued before the receive loop takes them (it never blocks long)
+MAX_ID_CHARS = 256
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"extra"}
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
@@ -72,6 +79,12 @@ def params_from_wire(raw) -> SamplingParams:
     return SamplingParams(**raw)
 
 
+def _valid_id(call_id) -> bool:
+    if call_id is None or (isinstance(call_id, int) and not isinstance(call_id, bool)):
+        return True
+    return isinstance(call_id, str) and len(call_id) <= MAX_ID_CHARS
+
+
 def _wire_output(c: CompletionOutput, delta: bool) -> dict:
     lps = c.new_logprobs if delta else c.logprobs
     return {
@@ -107,8 +120,12 @@ class RPCServer:
         max_timeout: float = 3600.0,
         drain_timeout: float = 30.0,
         shutdown_engine: bool = True,
+        send_hwm: int = SEND_HWM,
+        send_buffer_bytes: int = -1,
     ) -> None:
         self.llm = llm
+        self.send_hwm = send_hwm
+        self.send_buffer_bytes = send_buffer_bytes  # the kernel's SO_SNDBUF; -1: the OS default
         self.address = address
         self.model_name = model_name or str(llm.model_path)
         self.max_inflight = max_inflight
@@ -135,9 +152,10 @@ class RPCServer:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises
-        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        sock.setsockopt(zmq.RCVHWM, SEND_HWM)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, self.send_hwm)
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        sock.setsockopt(zmq.SNDBUF, self.send_buffer_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
         sock.bind(self.address)
         self._sock = sock
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -186,13 +204,21 @@ class RPCServer:
         peer, payload = tuple(frames[:-1]), frames[-1]
         call_id = None
         try:
+            if len(payload) > MAX_MESSAGE_BYTES:
+                raise APIError(
+                    413, f"a request must be at most {MAX_MESSAGE_BYTES} bytes, got {len(payload)}"
+                )
             msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
             if not isinstance(msg, dict):
                 raise ValueError(f"a request must be a msgpack map, got {type(msg).__name__}")
             call_id = msg.get("id")
-            if call_id is not None and not isinstance(call_id, (int, str)):
-                call_id = None
-                raise ValueError("id must be an integer or a string")
+            if not _valid_id(call_id):
+                call_id = None  # echoing it back would amplify what the peer sent
+                raise APIError(
+                    400,
+                    f"id must be an integer or a string of at most {MAX_ID_CHARS} characters",
+                    "id",
+                )
             op = msg.get("op")
             if op not in OPS:
                 raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
@@ -226,8 +252,8 @@ class RPCServer:
         params = params_from_wire(msg.get("params"))
         request_id = msg.get("request_id") or uuid.uuid4().hex
         salt = msg.get("cache_salt")
-        if not isinstance(request_id, str) or len(request_id) > 256:
-            raise ValueError("request_id must be a string of at most 256 characters")
+        if not isinstance(request_id, str) or len(request_id) > MAX_ID_CHARS:
+            raise ValueError(f"request_id must be a string of at most {MAX_ID_CHARS} characters")
         if salt is not None and not isinstance(salt, str):
             raise ValueError("cache_salt must be a string")
         timeout = msg.get("timeout")
