@@ -26,6 +26,13 @@ def add_server_commands(subparsers, engine_args_fn) -> None:
         help="model name(s) clients use (repeat for aliases; default: the --model value)",
     )
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=2048,
+        help="open connections at most (half of them per client address); beyond, stalled "
+        "readers are closed, then new connections get 429",
+    )
     _common(s)
     s.set_defaults(func=cmd_serve)
 
@@ -48,7 +55,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--max-pending",
         type=int,
         default=None,
-        help="requests in flight before new ones get 429 (default: the scheduler's max_waiting)",
+        help="requests in flight before new ones get 429 (default: half of --max-connections "
+        "for serve, --max-inflight for rpc)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -65,12 +73,30 @@ def _make_engine(args: argparse.Namespace):
     return AsyncLLM(config=engine_config_from_args(args), max_pending=args.max_pending)
 
 
+def _check_limits(args: argparse.Namespace) -> None:
+    """Overload must meet the documented 429 of the admission queue before any other limit:
+    requests in flight stay below the connection cap (HTTP) or the calls cap (RPC)."""
+    cap, name = (
+        (args.max_connections, "--max-connections")
+        if args.command == "serve"
+        else (args.max_inflight, "--max-inflight")
+    )
+    if cap < 2:
+        raise ValueError(f"{name} must be >= 2, got {cap}")
+    if args.max_pending is None:
+        args.max_pending = cap // 2 if args.command == "serve" else cap
+    elif args.max_pending > cap:
+        raise ValueError(f"--max-pending ({args.max_pending}) must be <= {name} ({cap})")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine import envs
+    from engine.server.http_limits import HTTPLimits
     from engine.server.http_server import serve_http
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    _check_limits(args)
     llm = _make_engine(args)
     names = args.served_model_name or [args.model]
     key = args.api_key or envs.api_key()
@@ -96,12 +122,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         access_log=args.access_log,
+        limits=HTTPLimits(
+            max_connections=args.max_connections,
+            max_connections_per_client=max(1, args.max_connections // 2),
+        ),
     )
 
 
 def cmd_rpc(args: argparse.Namespace) -> int:
     from engine.server.rpc_server import serve_rpc
 
+    _check_limits(args)
     llm = _make_engine(args)
     print(
         f"RPC server on {args.address}. From Python:\n"

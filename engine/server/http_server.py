@@ -23,11 +23,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_llm import EngineShuttingDownError
 from engine.scheduler import QueueFullError
 from engine.server.errors import APIError, error_body, to_api_error
+from engine.server.http_limits import HTTPLimits, protocol_class
 from engine.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,6 +74,7 @@ def build_app(
     app = FastAPI(title="engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.state.llm = llm
+    app.state.rejections = rejections
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
 
@@ -196,11 +199,14 @@ async def read_body(request: Request, model: type[BaseModel], limit: int):
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body must be at most {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body must be at most {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body must be at most {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed by a read deadline: nobody to answer
+        raise APIError(408, "the client went away before sending the whole body") from None
     try:
         return model.model_validate_json(b"".join(chunks))
     except ValidationError as exc:
@@ -340,6 +346,21 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def uvicorn_config(app: FastAPI, limits: HTTPLimits | None = None, **kwargs) -> uvicorn.Config:
+    """uvicorn's config for ``app`` with our connection limits and read deadlines."""
+    limits = limits or HTTPLimits()
+    rejections = getattr(app.state, "rejections", None)
+    return uvicorn.Config(
+        app,
+        http=protocol_class(limits, rejections.add if rejections else lambda reason: None),
+        limit_concurrency=None,  # replaced by the protocol's caps, which answer 429
+        timeout_keep_alive=limits.keep_alive_s,
+        h11_max_incomplete_event_size=limits.max_head_bytes,
+        lifespan="on",
+        **kwargs,
+    )
+
+
 def serve_http(
     llm,
     host: str = "127.0.0.1",
@@ -349,19 +370,18 @@ def serve_http(
     drain_timeout: float = 30.0,
     log_level: str = "info",
     access_log: bool = False,
-    max_connections: int = 2048,
+    limits: HTTPLimits | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread."""
     app = build_app(llm, served_model_names or [str(llm.model_path)], api_key)
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
+        limits,
         host=host,
         port=port,
         log_level=log_level,
         access_log=access_log,
-        limit_concurrency=max_connections,
         timeout_graceful_shutdown=5,
-        lifespan="on",
     )
     server = DrainingServer(config, app, drain_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):

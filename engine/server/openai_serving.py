@@ -131,6 +131,15 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def start(self, job: Job, request_id: str | None = None) -> RequestStreams:
+        # More prompts than the server ever admits at once would get a 429 on every retry.
+        cap = getattr(self.llm, "max_pending", None)
+        if cap is not None and len(job.prompts) > cap:
+            raise APIError(
+                400,
+                f"prompt holds {len(job.prompts)} prompts, more than this server admits at once "
+                f"({cap}, --max-pending); send fewer per request",
+                "prompt",
+            )
         return await RequestStreams.start(
             self.llm, job.prompts, job.params, request_id or job.id, job.cache_salt
         )

@@ -253,3 +253,17 @@ def test_non_streaming_disconnect_aborts(server, llm):
     time.sleep(0.2)
     wait_idle(llm)
     assert llm.metrics().finished.get("abort", 0) >= 1
+
+
+def test_more_prompts_than_ever_admitted_is_400(http, llm):
+    """A request that could never be admitted is a 400 (not a 429 that clients retry forever)."""
+    saved = llm.max_pending
+    llm.max_pending = 4
+    try:
+        r = http.post(
+            "/v1/completions", json={"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}
+        )
+    finally:
+        llm.max_pending = saved
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "4" in r.json()["error"]["message"]
