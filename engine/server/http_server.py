@@ -30,6 +30,7 @@ from engine.async_llm import EngineShuttingDownError
 from engine.scheduler import QueueFullError
 from engine.server.errors import APIError, error_body, to_api_error
 from engine.server.http_limits import HTTPLimits, protocol_class
+from engine.server.offload import Offloader
 from engine.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,6 +61,7 @@ def build_app(
     """The ASGI app. ``llm`` is any EngineClient (engine_client.py); ``shutdown_engine``: shut it
     down when the app stops (off when the engine outlives the app, as in tests)."""
     serving = OpenAIServing(llm, served_model_names)
+    offload = Offloader()
     rejections = Rejections()
     registry = make_registry(EngineCollector(llm, served_model_names[0], rejections))
     state = ServerState()
@@ -68,6 +70,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         yield
         state.draining = True
+        offload.close()
         if shutdown_engine:
             await llm.shutdown(timeout=0.0)  # no-op if the drain already shut it down
 
@@ -107,7 +110,7 @@ def build_app(
         body = await read_body(request, model, max_body_bytes)
         aliases = {"prompt": "messages"} if model is ChatCompletionRequest else None
         try:
-            job = make_job(body)
+            job = await offload(make_job, body)  # tokenizing, templates: off the event loop
 
             async def admit() -> RequestStreams:
                 return await serving.start(job, body.request_id)
@@ -161,9 +164,13 @@ def build_app(
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages must not be empty", "messages")
-            tokens = serving.render_chat(body.messages, body.add_generation_prompt, None)
+            tokens = await offload(
+                serving.render_chat, body.messages, body.add_generation_prompt, None
+            )
         else:
-            tokens = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await offload(
+                llm.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         return {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -174,7 +181,7 @@ def build_app(
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of range [0, {vocab})", "tokens")
-        return {"prompt": llm.tokenizer.decode(body.tokens)}
+        return {"prompt": await offload(llm.tokenizer.decode, body.tokens)}
 
     return app
 

@@ -125,11 +125,14 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def as_template_dict(self) -> dict:
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        out = {"role": self.role, "content": content or ""}
+            return "".join(part.text for part in content)
+        return content or ""
+
+    def as_template_dict(self) -> dict:
+        out = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
         return out

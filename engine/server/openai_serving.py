@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, to_api_error
+from engine.server.offload import check_prompt_chars
 from engine.server.openai_protocol import (
     MAX_SEQUENCES,
     ChatCompletionRequest,
@@ -76,6 +77,9 @@ class OpenAIServing:
             raise ValueError("echo with logprobs is not supported")
         raw = req.prompts()
         _check_count(len(raw), req.n)
+        for p in raw:
+            if isinstance(p, str):
+                check_prompt_chars(len(p), self.tokenizer, self.llm.max_model_len, "prompt")
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in raw]
         max_tokens = req.max_tokens
         if max_tokens is None:
@@ -120,6 +124,8 @@ class OpenAIServing:
     def render_chat(
         self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None
     ) -> list[int]:
+        chars = sum(len(m.text()) for m in messages)
+        check_prompt_chars(chars, self.tokenizer, self.llm.max_model_len, "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 [m.as_template_dict() for m in messages],

@@ -28,6 +28,7 @@ from engine.client import DEFAULT_ADDRESS, OPS, pack
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, to_api_error
+from engine.server.offload import Offloader, check_prompt_chars
 from engine.server.openai_protocol import MAX_N
 
 logger = logging.getLogger("engine.server.rpc")
@@ -136,6 +137,7 @@ class RPCServer:
         self.bound_address: str | None = None  # the endpoint actually bound (port 0 resolved)
         self.draining = False
         self._calls: dict[tuple[bytes, str], _Call] = {}
+        self._offload = Offloader()
         self._stop = asyncio.Event()
         self._sock: zmq.asyncio.Socket | None = None
 
@@ -169,6 +171,7 @@ class RPCServer:
         finally:
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)
+            self._offload.close()
             sock.close(linger=1000)
             ctx.term()
 
@@ -281,6 +284,11 @@ class RPCServer:
     async def _run_call(self, key, call: _Call, prompt, params, salt) -> None:
         last: RequestOutput | None = None
         try:
+            if isinstance(prompt, str):  # tokenized off the event loop, after a cheap bound
+                check_prompt_chars(
+                    len(prompt), self.llm.tokenizer, self.llm.max_model_len, "prompt"
+                )
+                prompt = await self._offload(self.llm.tokenizer.encode, prompt)
             gen = self.llm.generate(prompt, params, request_id=call.engine_id, cache_salt=salt)
             async with aclosing(gen):
                 async for out in gen:
