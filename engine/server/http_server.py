@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import signal
 import time
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_llm import EngineShuttingDownError
 from engine.scheduler import QueueFullError
+from engine.server import openapi
 from engine.server.errors import APIError, error_body, to_api_error
 from engine.server.http_limits import HTTPLimits, protocol_class
 from engine.server.offload import Offloader
@@ -57,9 +59,14 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     shutdown_engine: bool = True,
+    enable_docs: bool = True,
+    model_root: str | None = None,
 ) -> FastAPI:
     """The ASGI app. ``llm`` is any EngineClient (engine_client.py); ``shutdown_engine``: shut it
-    down when the app stops (off when the engine outlives the app, as in tests)."""
+    down when the app stops (off when the engine outlives the app, as in tests).
+    ``enable_docs``: serve /openapi.json, /docs and /redoc (vLLM does by default).
+    ``model_root``: what /v1/models shows as ``root`` (vLLM: the --model value as given)."""
+    root = model_root or served_model_names[0]
     serving = OpenAIServing(llm, served_model_names)
     offload = Offloader()
     rejections = Rejections()
@@ -74,7 +81,12 @@ def build_app(
         if shutdown_engine:
             await llm.shutdown(timeout=0.0)  # no-op if the drain already shut it down
 
-    app = FastAPI(title="engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="engine", version=_version(), lifespan=lifespan, **docs)
+    openapi.install(
+        app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    )
+    auth = bool(api_key)
     app.state.server = state
     app.state.llm = llm
     app.state.rejections = rejections
@@ -127,23 +139,50 @@ def build_app(
         except (ValueError, TypeError, QueueFullError, EngineShuttingDownError) as exc:
             raise to_api_error(exc, aliases) from exc
 
-    @app.post("/v1/completions")
+    generation_docs = dict(
+        response_class=JSONResponse,
+        responses={
+            200: {
+                "description": "The completion; server-sent events when stream is true",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **openapi.errors(400, 404, 413, 503, auth=auth),
+        },
+    )
+
+    @app.post(
+        "/v1/completions",
+        openapi_extra=openapi.json_body(CompletionRequest),
+        **generation_docs,
+    )
     async def completions(request: Request) -> Response:
         return await generation(request, CompletionRequest, serving.completion_job)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=openapi.json_body(ChatCompletionRequest),
+        **generation_docs,
+    )
     async def chat_completions(request: Request) -> Response:
         return await generation(request, ChatCompletionRequest, serving.chat_job)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.errors(auth=auth))
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(llm, name) for name in served_model_names]}
+        cards = [model_card(llm, name, root) for name in served_model_names]
+        return {"object": "list", "data": cards}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", responses=openapi.errors(400, 404, auth=auth))
     async def model(name: str) -> dict:
-        return model_card(llm, serving.check_model(name))
+        return model_card(llm, serving.check_model(name), root)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "Healthy (an empty body)", "content": None},
+            **openapi.errors(503),
+        },
+    )
     async def health() -> Response:
         if state.draining:
             return JSONResponse(error_body(503, "the server is shutting down"), 503)
@@ -151,11 +190,25 @@ def build_app(
             return JSONResponse(error_body(503, "the engine is not running"), 503)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **openapi.errors(auth=auth),
+        },
+    )
     async def metrics() -> Response:
         return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
+    @app.post(
+        "/tokenize",
+        openapi_extra=openapi.json_body(TokenizeRequest),
+        responses=openapi.errors(400, 404, 413, auth=auth),
+    )
     async def tokenize(request: Request) -> dict:
         body = await read_body(request, TokenizeRequest, max_body_bytes)
         serving.check_model(body.model)
@@ -173,7 +226,11 @@ def build_app(
             )
         return {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
+    @app.post(
+        "/detokenize",
+        openapi_extra=openapi.json_body(DetokenizeRequest),
+        responses=openapi.errors(400, 404, 413, auth=auth),
+    )
     async def detokenize(request: Request) -> dict:
         body = await read_body(request, DetokenizeRequest, max_body_bytes)
         serving.check_model(body.model)
@@ -186,13 +243,20 @@ def build_app(
     return app
 
 
-def model_card(llm, name: str) -> dict:
+def _version() -> str:
+    try:
+        return importlib.metadata.version("engine")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
+def model_card(llm, name: str, root: str) -> dict:
     return {
         "id": name,
         "object": "model",
         "created": 0,
         "owned_by": "engine",
-        "root": str(llm.model_path),
+        "root": root,
         "max_model_len": llm.max_model_len,
     }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError
@@ -27,7 +28,7 @@ class _Strict(BaseModel):
 # Options that OpenAI or vLLM define and this server does not implement. Each is declared so
 # that a request using it gets a 400 naming it: ignoring it silently (a 200 that did not do
 # what was asked) is the worst answer. A value that asks for nothing (None, tool_choice "none",
-# an empty tools list) is accepted.
+# an empty tools list) is accepted. They are left out of the OpenAPI document.
 _UNSUPPORTED = (
     "tools functions function_call tool_choice parallel_tool_calls response_format "
     "guided_json guided_choice guided_regex guided_grammar guided_decoding_backend "
@@ -80,22 +81,22 @@ class _SamplingRequest(_Strict):
     best_of: int | None = None
     request_id: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(None, max_length=256)
-    tools: Any = None
-    functions: Any = None
-    function_call: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_choice: Any = None
-    guided_regex: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
-    grammar: Any = None
-    json_schema: Any = None
-    prompt_logprobs: Any = None
+    tools: SkipJsonSchema[Any] = None
+    functions: SkipJsonSchema[Any] = None
+    function_call: SkipJsonSchema[Any] = None
+    tool_choice: SkipJsonSchema[Any] = None
+    parallel_tool_calls: SkipJsonSchema[Any] = None
+    response_format: SkipJsonSchema[Any] = None
+    guided_json: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
+    guided_decoding_backend: SkipJsonSchema[Any] = None
+    guided_whitespace_pattern: SkipJsonSchema[Any] = None
+    structured_outputs: SkipJsonSchema[Any] = None
+    grammar: SkipJsonSchema[Any] = None
+    json_schema: SkipJsonSchema[Any] = None
+    prompt_logprobs: SkipJsonSchema[Any] = None
 
     def _check_unsupported(self) -> None:
         reject_unsupported(self, _UNSUPPORTED)
@@ -170,8 +171,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: Any = None  # refused (ChatCompletionRequest.check_chat_unsupported)
-    tool_call_id: Any = None
+    tool_calls: SkipJsonSchema[Any] = None  # refused (ChatCompletionRequest.check_chat_unsupported)
+    tool_call_id: SkipJsonSchema[Any] = None
 
     def text(self) -> str:
         content = self.content
@@ -194,9 +195,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
-    echo: Any = None
-    chat_template: Any = None
-    continue_final_message: Any = None
+    echo: SkipJsonSchema[Any] = None
+    chat_template: SkipJsonSchema[Any] = None
+    continue_final_message: SkipJsonSchema[Any] = None
 
     def engine_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
