@@ -27,6 +27,11 @@ def add_server_commands(subparsers, engine_args_fn) -> None:
     )
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="do not serve /openapi.json, /docs and /redoc (served by default, as in vLLM)",
+    )
+    s.add_argument(
         "--max-connections",
         type=int,
         default=2048,
@@ -92,12 +97,17 @@ def _check_limits(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine import envs
     from engine.server.http_limits import HTTPLimits
-    from engine.server.http_server import serve_http
+    from engine.server.http_server import bind_socket, serve_http
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     _check_limits(args)
-    llm = _make_engine(args)
+    sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
+    try:
+        llm = _make_engine(args)
+    except BaseException:
+        sock.close()
+        raise
     names = args.served_model_name or [args.model]
     key = args.api_key or envs.api_key()
     host = f"[{args.host}]" if ":" in args.host else args.host
@@ -126,18 +136,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             max_connections_per_client=max(1, args.max_connections // 2),
         ),
+        sock=sock,
+        enable_docs=not args.disable_fastapi_docs,
+        model_root=args.model,
     )
 
 
 def cmd_rpc(args: argparse.Namespace) -> int:
-    from engine.server.rpc_server import serve_rpc
+    from engine.server.rpc_server import check_address, serve_rpc
 
     _check_limits(args)
+    check_address(args.address)  # before the model loads: a bad or taken address fails now
     llm = _make_engine(args)
     print(
         f"RPC server on {args.address}. From Python:\n"
         f"  from engine.client import RPCClient\n"
-        f"  print(RPCClient({args.address!r}).generate('Hello!', max_tokens=32).text)",
+        f"  client = RPCClient({args.address!r})\n"
+        f"  print(client.generate('The capital of France is', max_tokens=16, "
+        "temperature=0.2, top_p=0.9).text)",
         file=sys.stderr,
         flush=True,
     )

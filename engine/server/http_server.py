@@ -16,6 +16,7 @@ import hmac
 import importlib.metadata
 import logging
 import signal
+import socket
 import time
 from contextlib import asynccontextmanager
 
@@ -357,17 +358,24 @@ class SSEResponse(StreamingResponse):
 
 
 class BearerAuth:
-    """Pure ASGI middleware (it does not buffer streamed responses): every route but /health
-    needs ``Authorization: Bearer <api_key>``."""
+    """Pure ASGI middleware (it does not buffer streamed responses): every route but the public
+    ones needs ``Authorization: Bearer <api_key>``. The scheme name is case-insensitive (RFC
+    7235; vLLM compares it case-sensitively). Public: /health and the API's description
+    (/openapi.json, /docs, /redoc), as in vLLM; unlike vLLM, /metrics and /tokenize need the
+    key too, since they expose traffic and the vocabulary."""
+
+    PUBLIC = frozenset(("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"))
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.PUBLIC:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, token = given.strip().partition(b" ")
+            ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+            if not ok:
                 response = JSONResponse(
                     error_body(401, "a valid API key is required (Authorization: Bearer <key>)"),
                     status_code=401,
@@ -417,6 +425,20 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now; ValueError in one line if the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def uvicorn_config(app: FastAPI, limits: HTTPLimits | None = None, **kwargs) -> uvicorn.Config:
     """uvicorn's config for ``app`` with our connection limits and read deadlines."""
     limits = limits or HTTPLimits()
@@ -442,9 +464,20 @@ def serve_http(
     log_level: str = "info",
     access_log: bool = False,
     limits: HTTPLimits | None = None,
+    sock: socket.socket | None = None,
+    enable_docs: bool = True,
+    model_root: str | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread."""
-    app = build_app(llm, served_model_names or [str(llm.model_path)], api_key)
+    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread.
+    ``sock``: a socket bound already (``bind_socket``), so that a port in use is found before
+    the model loads."""
+    app = build_app(
+        llm,
+        served_model_names or [str(llm.model_path)],
+        api_key,
+        enable_docs=enable_docs,
+        model_root=model_root,
+    )
     config = uvicorn_config(
         app,
         limits,
@@ -458,7 +491,7 @@ def serve_http(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)  # also covers a signal before uvicorn starts
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         llm.close()  # the engine thread must not be inside a step while the interpreter exits
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import SamplingParams
@@ -173,6 +173,21 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: SkipJsonSchema[Any] = None  # refused (ChatCompletionRequest.check_chat_unsupported)
     tool_call_id: SkipJsonSchema[Any] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text_parts(cls, data):
+        # Name the part type we do not take, instead of pydantic's union complaint
+        # ("content.str: Input should be a valid string").
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported (only 'text')"
+                    )
+        return data
 
     def text(self) -> str:
         content = self.content

@@ -57,8 +57,24 @@ class _Call:
     expired: bool = False
 
 
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def params_from_wire(raw) -> SamplingParams:
-    """SamplingParams from an untrusted map: unknown keys and wrong types are 400s."""
+    """SamplingParams from an untrusted map: unknown keys and wrong types are 400s naming the
+    field and the type it needs."""
     if raw is None:
         return SamplingParams()
     if not isinstance(raw, dict):
@@ -66,17 +82,28 @@ def params_from_wire(raw) -> SamplingParams:
     unknown = sorted(str(k) for k in raw if k not in _PARAM_FIELDS)
     if unknown:
         raise ValueError(f"params has unknown fields: {', '.join(unknown)}")
-    for name in _BOOL_FIELDS:
-        if name in raw and not isinstance(raw[name], bool):
-            raise ValueError(f"{name} must be a boolean, got {raw[name]!r}")
-    if isinstance(raw.get("n"), int) and raw["n"] > MAX_N:
+    for name, value in raw.items():
+        if value is None and name in ("seed", "logprobs"):
+            continue
+        if name in _BOOL_FIELDS and not isinstance(value, bool):
+            raise ValueError(f"{name} must be a boolean, got {value!r} ({type(value).__name__})")
+        if name in _INT_FIELDS and not _is_int(value):
+            raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        if name in _FLOAT_FIELDS and not (_is_int(value) or isinstance(value, float)):
+            raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if raw.get("n", 1) > MAX_N:
         raise ValueError(f"n must be <= {MAX_N}, got {raw['n']}")
     seed = raw.get("seed")
-    if isinstance(seed, int) and not -(2**63) <= seed <= 2**63 - 1 - MAX_N:
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1 - MAX_N:
         raise ValueError(f"seed must be in [-2**63, 2**63 - {MAX_N + 1}], got {seed}")
-    for name in ("stop", "stop_token_ids"):
-        if name in raw and not isinstance(raw[name], (list, str)):
-            raise ValueError(f"{name} must be a list, got {raw[name]!r}")
+    stop = raw.get("stop", [])
+    if not isinstance(stop, str) and not (
+        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    ):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    ids = raw.get("stop_token_ids", [])
+    if not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
     return SamplingParams(**raw)
 
 
@@ -235,8 +262,11 @@ class RPCServer:
                 metrics = dataclasses.asdict(self.llm.metrics())
                 self._send(peer, {"id": call_id, "type": "ok", "metrics": metrics})
         except Exception as exc:
-            if isinstance(exc, (msgpack.UnpackException, msgpack.ExtraData)):
-                exc = ValueError(f"the frame is not a valid msgpack message: {exc}")
+            if isinstance(exc, msgpack.exceptions.StackError):
+                exc = ValueError("the message nests deeper than msgpack's limit (1024 levels)")
+            elif isinstance(exc, (msgpack.UnpackException, msgpack.ExtraData)):
+                why = str(exc) or type(exc).__name__
+                exc = ValueError(f"the frame is not a valid msgpack message: {why}")
             elif isinstance(exc, (ValueError, TypeError)) and not str(exc):
                 exc = ValueError(f"malformed request: {type(exc).__name__}")
             self._send_error(peer, call_id, to_api_error(exc))
@@ -368,6 +398,19 @@ class RPCServer:
 
     def _send_error(self, peer, call_id, err: APIError) -> None:
         self._send(peer, {"id": call_id, "type": "error", **err.body()})
+
+
+def check_address(address: str) -> None:
+    """Bind ``address`` and let it go: ValueError in one line if it is malformed or taken."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise ValueError(f"cannot bind the RPC address {address!r}: {exc}") from None
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def serve_rpc(llm, address: str = DEFAULT_ADDRESS, drain_timeout: float = 30.0, **kwargs) -> int:
