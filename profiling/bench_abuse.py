@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import os
 import resource
 import socket
@@ -114,12 +115,11 @@ async def http_probe(url: str, phase: Phase, duration: float, rate: float) -> No
                 if r.status_code != 200:
                     phase.probe_errors[r.status_code] += 1
                     return
+                first = True
                 async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
+                    if first and line.startswith("data: {"):
                         phase.ttfts.append(time.perf_counter() - t0)
-                        break
-                async for _ in r.aiter_lines():
-                    pass
+                        first = False
         except httpx.HTTPError as exc:
             phase.probe_errors[type(exc).__name__] += 1
 
@@ -188,10 +188,11 @@ async def slowloris(url: str, phase: Phase, stop: asyncio.Event, n: int) -> None
 
 
 async def large_prompt(url: str, phase: Phase, stop: asyncio.Event) -> None:
-    body = {"prompt": "x" * (15 * 1024 * 1024), "max_tokens": 2}
+    body = json.dumps({"prompt": "x" * (15 * 1024 * 1024), "max_tokens": 2}).encode()
+    headers = {"content-type": "application/json"}
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         while not stop.is_set():
-            r = await client.post("/v1/completions", json=body)
+            r = await client.post("/v1/completions", content=body, headers=headers)
             phase.attacker[r.status_code] += 1
 
 
@@ -234,17 +235,44 @@ async def rpc_never_reads(address: str, phase: Phase, stop: asyncio.Event, n: in
 # -- running -------------------------------------------------------------------------------------
 
 
+class AttackThread(threading.Thread):
+    """An attack on its own thread and event loop, so that the attacker's own work (encoding
+    15 MB bodies, thousands of sockets) does not delay the probe's measurements."""
+
+    def __init__(self, attack, target: str, phase: Phase) -> None:
+        super().__init__(daemon=True)
+        self.attack, self.target, self.phase = attack, target, phase
+        self.started_loop = threading.Event()
+
+    def run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self._main())
+        self.loop.close()
+
+    async def _main(self) -> None:
+        self.stop = asyncio.Event()
+        self.started_loop.set()
+        task = asyncio.ensure_future(self.attack(self.target, self.phase, self.stop))
+        await self.stop.wait()
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    def halt(self) -> None:
+        self.started_loop.wait()
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.join(60)
+
+
 async def run_phase(name, target, probe, attack, args) -> Phase:
     phase = Phase(name)
-    stop = asyncio.Event()
-    attacker = asyncio.ensure_future(attack(target, phase, stop)) if attack else None
+    attacker = AttackThread(attack, target, phase) if attack else None
     if attacker is not None:
+        attacker.start()
         await asyncio.sleep(args.warmup)  # let the attack take hold first
     await probe(target, phase, args.duration, args.rate)
-    stop.set()
     if attacker is not None:
-        attacker.cancel()
-        await asyncio.gather(attacker, return_exceptions=True)
+        attacker.halt()
     return phase
 
 
