@@ -84,7 +84,7 @@ class _Stream(threading.Thread):
 def test_sigterm_drains_then_exits_zero():
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = _start("serve", "--port", str(port), "--drain-timeout", "4")
+    proc = _start("serve", "--port", str(port), "--drain-timeout", "8")
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -96,7 +96,7 @@ def test_sigterm_drains_then_exits_zero():
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        short = _Stream(base + "/v1/completions", 24)  # finishes within the drain
+        short = _Stream(base + "/v1/completions", 8)  # finishes within the drain
         long = _Stream(base + "/v1/completions", 900)  # outlives it: aborted
         short.start()
         long.start()
