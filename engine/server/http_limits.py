@@ -38,7 +38,7 @@ class HTTPLimits:
     max_connections_per_client: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
-    stall_s: float = 1.0  # a request incomplete for this long may be closed to make room
+    stall_s: float = 2.0  # a request incomplete for this long may be closed to make room
     keep_alive_s: float = 5.0  # idle time before uvicorn closes a keep-alive connection
     max_head_bytes: int = 16 * 1024  # request line + headers (h11's limit)
 
@@ -52,11 +52,18 @@ class HTTPLimits:
 
 
 class _Table:
-    """The open connections, by client address (one per server)."""
+    """The open connections (one table per server): all of them, by client address, and, in
+    the order they began, those reading a request and those idle between requests, so that
+    finding the longest-stalled reader or the oldest idle connection is O(1) even when an
+    attacker churns through thousands of connections a second."""
 
     def __init__(self) -> None:
-        self.by_host: dict[str, set[GuardedH11Protocol]] = {}
         self.all: set[GuardedH11Protocol] = set()
+        self.by_host: dict[str, set[GuardedH11Protocol]] = {}
+        self.reading: dict[GuardedH11Protocol, None] = {}  # insertion order: reading_since
+        self.reading_by_host: dict[str, dict[GuardedH11Protocol, None]] = {}
+        self.idle: dict[GuardedH11Protocol, None] = {}
+        self.idle_by_host: dict[str, dict[GuardedH11Protocol, None]] = {}
 
     def add(self, conn: GuardedH11Protocol) -> None:
         self.all.add(conn)
@@ -64,29 +71,46 @@ class _Table:
 
     def remove(self, conn: GuardedH11Protocol) -> None:
         self.all.discard(conn)
-        peers = self.by_host.get(conn.host)
-        if peers is not None:
-            peers.discard(conn)
-            if not peers:
-                del self.by_host[conn.host]
+        _discard(self.by_host, conn.host, conn)
+        self.mark(conn, "reading", False)
+        self.mark(conn, "idle", False)
 
-    @staticmethod
-    def evict_one(candidates, now: float, stall_s: float, spare) -> bool:
-        """Close the longest-stalled reader, else an idle keep-alive connection; False if
-        every candidate is busy with a request it sent in time."""
-        stalled = [
-            c
-            for c in candidates
-            if c is not spare and c.reading_since is not None and now - c.reading_since >= stall_s
-        ]
-        if stalled:
-            min(stalled, key=lambda c: c.reading_since).fail(408, "the request arrived too slowly")
+    def mark(self, conn: GuardedH11Protocol, kind: str, on: bool) -> None:
+        everyone: dict = getattr(self, kind)
+        per_host: dict = getattr(self, kind + "_by_host")
+        if on:
+            everyone[conn] = None
+            per_host.setdefault(conn.host, {})[conn] = None
+        else:
+            everyone.pop(conn, None)
+            _discard(per_host, conn.host, conn)
+
+    def evict_one(self, host: str | None, now: float, stall_s: float, spare) -> bool:
+        """Close the longest-stalled reader (of ``host``, or of anyone), else the oldest idle
+        keep-alive connection; False if every connection is busy with a request it sent in
+        time. ``spare``: the connection being made room for."""
+        reading = self.reading if host is None else self.reading_by_host.get(host, {})
+        victim = next((c for c in reading if c is not spare), None)
+        if victim is not None and now - victim.reading_since >= stall_s:
+            victim.fail(408, "the request arrived too slowly")
             return True
-        idle = [c for c in candidates if c is not spare and c.is_idle()]
-        if idle:
-            idle[0].close_idle()
+        idle = self.idle if host is None else self.idle_by_host.get(host, {})
+        victim = next((c for c in idle if c is not spare), None)
+        if victim is not None:
+            victim.close_idle()
             return True
         return False
+
+
+def _discard(table: dict, host: str, conn) -> None:
+    group = table.get(host)
+    if group is not None:
+        if isinstance(group, set):
+            group.discard(conn)
+        else:
+            group.pop(conn, None)
+        if not group:
+            del table[host]
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -101,17 +125,18 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         self.limit_concurrency = None  # our caps replace uvicorn's plain-text 503
         self.host = self.client[0] if self.client else ""
-        self.reading_since: float | None = time.monotonic()  # awaiting the first request
+        self.reading_since: float | None = None
+        self._idle = False
         self._deadline = None
+        self.table.add(self)
+        self._set_reading(True)  # awaiting the first request
         self._arm(self.limits.header_timeout_s)
         now = time.monotonic()
-        self.table.add(self)
-        peers = self.table.by_host[self.host]
         full = False
-        if len(peers) > self.limits.max_connections_per_client:
-            full = not self.table.evict_one(list(peers), now, self.limits.stall_s, self)
+        if len(self.table.by_host[self.host]) > self.limits.max_connections_per_client:
+            full = not self.table.evict_one(self.host, now, self.limits.stall_s, self)
         if not full and len(self.table.all) > self.limits.max_connections:
-            full = not self.table.evict_one(list(self.table.all), now, self.limits.stall_s, self)
+            full = not self.table.evict_one(None, now, self.limits.stall_s, self)
         if full:
             self.app = self._over_capacity  # answer its requests with a 429, then close
             self.on_reject("too_many_connections")
@@ -141,21 +166,37 @@ class GuardedH11Protocol(H11Protocol):
         state = self.conn.their_state
         if state is h11.IDLE:
             if self.conn.trailing_data[0]:  # part of a new request's head has arrived
+                self._set_idle(False)
                 if self.reading_since is None:
-                    self.reading_since = time.monotonic()
+                    self._set_reading(True)
                     self._arm(self.limits.header_timeout_s)
             elif self._served:  # between requests: uvicorn's keep-alive timeout applies
-                self.reading_since = None
+                self._set_reading(False)
+                self._set_idle(self.cycle is None or self.cycle.response_complete)
                 self._disarm()
             # else: the first request has not begun; the deadline armed at connect applies
         elif state is h11.SEND_BODY:
-            if self.reading_since is None:
-                self.reading_since = time.monotonic()
+            self._set_idle(False)
+            self._set_reading(True)
             if self._stage != "body":
                 self._arm(self.limits.body_timeout_s, stage="body")
-        elif state is not h11.IDLE:  # DONE, MUST_CLOSE, CLOSED, ERROR: nothing left to read
-            self.reading_since = None
+        else:  # DONE, MUST_CLOSE, CLOSED, ERROR: nothing left to read
+            self._set_idle(False)
+            self._set_reading(False)
             self._disarm()
+
+    def _set_reading(self, on: bool) -> None:
+        if on and self.reading_since is None:
+            self.reading_since = time.monotonic()
+            self.table.mark(self, "reading", True)
+        elif not on and self.reading_since is not None:
+            self.reading_since = None
+            self.table.mark(self, "reading", False)
+
+    def _set_idle(self, on: bool) -> None:
+        if on != self._idle:
+            self._idle = on
+            self.table.mark(self, "idle", on)
 
     _stage = ""
 
@@ -180,21 +221,16 @@ class GuardedH11Protocol(H11Protocol):
 
     # -- closing ----------------------------------------------------------------------------
 
-    def is_idle(self) -> bool:
-        return (
-            self.reading_since is None
-            and self.conn.their_state is h11.IDLE
-            and (self.cycle is None or self.cycle.response_complete)
-        )
-
     def close_idle(self) -> None:
+        self._set_idle(False)
         if not self.transport.is_closing():
             self.transport.close()
 
     def fail(self, status: int, message: str) -> None:
         """Answer ``status`` if nothing was sent yet, and close the connection."""
         self._disarm()
-        self.reading_since = None
+        self._set_reading(False)
+        self._set_idle(False)
         if self.transport.is_closing():
             return
         if self.cycle is not None and not self.cycle.response_complete:
