@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.client import AsyncRPCClient  # noqa: E402
 
 ATTACKS = ("slowloris", "large-prompt", "flood", "rpc-never-reads")
+PROBE_ADDRESS = "127.0.0.2"
 PROBE_BODY = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0.0}
 
 
@@ -123,7 +124,10 @@ async def http_probe(url: str, phase: Phase, duration: float, rate: float) -> No
         except httpx.HTTPError as exc:
             phase.probe_errors[type(exc).__name__] += 1
 
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+    # From another loopback address: the server sees another client than the attackers (who
+    # connect from 127.0.0.1), as it would on a network.
+    transport = httpx.AsyncHTTPTransport(local_address=PROBE_ADDRESS)
+    async with httpx.AsyncClient(base_url=url, timeout=60, transport=transport) as client:
         tasks = []
         end = time.monotonic() + duration
         while time.monotonic() < end:

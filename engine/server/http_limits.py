@@ -9,6 +9,8 @@ seconds lock everyone out. Here, as a uvicorn protocol class:
 - a request's head must arrive within ``header_timeout_s`` of its first byte (of the connection,
   for the first request) and its body within ``body_timeout_s`` after the head; otherwise the
   client gets a 408 and the connection is closed;
+- a client address may open ``new_connections_per_client_s`` connections a second (after a
+  burst); more are reset at once, before any parsing;
 - when a new connection would exceed ``max_connections`` (or ``max_connections_per_client`` for
   its address), the connection that has been stalled longest in the middle of sending a request
   (for at least ``stall_s``) is closed with a 408 to make room; failing that, an idle keep-alive
@@ -39,6 +41,10 @@ class HTTPLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     stall_s: float = 2.0  # a request incomplete for this long may be closed to make room
+    # New connections per second from one address, beyond a burst of max_connections_per_client:
+    # more are reset at once, which costs the server almost nothing (a slowloris attacker that
+    # reconnects as fast as it is closed would otherwise keep the event loop busy).
+    new_connections_per_client_s: float = 200.0
     keep_alive_s: float = 5.0  # idle time before uvicorn closes a keep-alive connection
     max_head_bytes: int = 16 * 1024  # request line + headers (h11's limit)
 
@@ -46,7 +52,13 @@ class HTTPLimits:
         for name in ("max_connections", "max_connections_per_client", "max_head_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("header_timeout_s", "body_timeout_s", "stall_s", "keep_alive_s"):
+        for name in (
+            "header_timeout_s",
+            "body_timeout_s",
+            "stall_s",
+            "keep_alive_s",
+            "new_connections_per_client_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -65,6 +77,19 @@ class _Table:
         self.idle: dict[GuardedH11Protocol, None] = {}
         self.idle_by_host: dict[str, dict[GuardedH11Protocol, None]] = {}
 
+        self.buckets: dict[str, tuple[float, float]] = {}  # host -> (tokens, when)
+
+    def admit(self, host: str, limits: HTTPLimits, now: float) -> bool:
+        """Take a token from ``host``'s new-connection bucket; False when it is empty."""
+        burst = float(limits.max_connections_per_client)
+        tokens, when = self.buckets.get(host, (burst, now))
+        tokens = min(burst, tokens + (now - when) * limits.new_connections_per_client_s)
+        if tokens < 1.0:
+            self.buckets[host] = (tokens, now)
+            return False
+        self.buckets[host] = (tokens - 1.0, now)
+        return True
+
     def add(self, conn: GuardedH11Protocol) -> None:
         self.all.add(conn)
         self.by_host.setdefault(conn.host, set()).add(conn)
@@ -72,6 +97,8 @@ class _Table:
     def remove(self, conn: GuardedH11Protocol) -> None:
         self.all.discard(conn)
         _discard(self.by_host, conn.host, conn)
+        if conn.host not in self.by_host and len(self.buckets) > 4 * len(self.by_host) + 1024:
+            self.buckets.pop(conn.host, None)  # bounded: forget hosts that are gone
         self.mark(conn, "reading", False)
         self.mark(conn, "idle", False)
 
@@ -129,9 +156,13 @@ class GuardedH11Protocol(H11Protocol):
         self._idle = False
         self._deadline = None
         self.table.add(self)
+        now = time.monotonic()
+        if not self.table.admit(self.host, self.limits, now):
+            self.on_reject("connection_rate")
+            self.transport.abort()  # too many new connections from this address: reset
+            return
         self._set_reading(True)  # awaiting the first request
         self._arm(self.limits.header_timeout_s)
-        now = time.monotonic()
         full = False
         if len(self.table.by_host[self.host]) > self.limits.max_connections_per_client:
             full = not self.table.evict_one(self.host, now, self.limits.stall_s, self)

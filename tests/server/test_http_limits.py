@@ -184,3 +184,25 @@ def test_default_limits_agree():
 
     assert main(["serve", "--max-pending", "4096", "--max-connections", "2048"]) == 2
     assert main(["rpc", "--max-pending", "10", "--max-inflight", "5"]) == 2
+
+
+def test_connection_rate_per_client_is_bounded(llm):
+    """Past a burst, a client address that opens connections faster than the rate has them
+    reset at once (an attacker reconnecting as fast as it is closed costs the server little)."""
+    limits = HTTPLimits(max_connections_per_client=3, new_connections_per_client_s=2.0)
+    with http_server(llm, limits=limits) as s:
+        socks = [_connect(s.url) for _ in range(3)]
+        extra = _connect(s.url)
+        try:
+            extra.settimeout(10)
+            with pytest.raises((ConnectionResetError, BrokenPipeError)):
+                extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert extra.recv(100) == b""  # reset: no answer
+                raise ConnectionResetError
+        finally:
+            extra.close()
+            for sock in socks:
+                sock.close()
+        time.sleep(1.0)  # the bucket refills
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'reason="connection_rate"} 1.0' in metrics
