@@ -12,7 +12,9 @@ client can offer the same methods.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -35,6 +37,53 @@ class EngineShuttingDownError(RuntimeError):
 
 
 _DONE = object()
+SHUTDOWN_GRACE_S = 30.0  # after the deadline: the step already running ends, aborts land
+_MLP_TOKENS = 256  # a token's non-attention work, in units of attended-to tokens
+_SAFETY = 0.7  # a drain step is planned to use at most this share of the time left
+
+
+class _StepMeter:
+    """The cost of a step on this machine, learnt as the engine runs (engine thread only).
+
+    A step's work is counted as sum(tokens_i * (context_i + _MLP_TOKENS)) over the requests
+    it ran: attention grows with the context a chunk attends to, so a prefill chunk deep into
+    a long prompt costs far more than the first one. ``seconds_per_unit`` is an average.
+    """
+
+    def __init__(self) -> None:
+        self.seconds_per_unit = 0.0
+
+    @staticmethod
+    def snapshot(sched) -> list:
+        reqs = list(sched.running) + list(itertools.islice(sched.waiting, 64))
+        return [(r, r.num_computed_tokens) for r in reqs]
+
+    def observe(self, before: list, seconds: float) -> None:
+        work = 0
+        for req, computed in before:
+            done = req.num_computed_tokens - computed
+            if done > 0:
+                work += done * (req.num_computed_tokens + _MLP_TOKENS)
+        if work > 0:
+            rate = seconds / work
+            old = self.seconds_per_unit
+            self.seconds_per_unit = rate if old == 0.0 else 0.5 * (old + rate)
+
+    def tokens_within(self, sched, seconds: float) -> int:
+        """The largest token budget for the next step that should end within ``seconds``:
+        one token for every running request plus a prefill chunk of B tokens at the deepest
+        prompt position now pending (a quadratic in B). -1: not even the decodes fit."""
+        if self.seconds_per_unit == 0.0:
+            return 1 << 30  # nothing measured yet: no basis to shrink
+        units = seconds * _SAFETY / self.seconds_per_unit
+        units -= sum(r.num_tokens + _MLP_TOKENS for r in sched.running)
+        if units < 0:
+            return -1
+        pending = [r for r in sched.running if r.num_computed_tokens < r.num_prompt_tokens]
+        pending += list(itertools.islice(sched.waiting, 1))
+        depth = max((r.num_computed_tokens for r in pending), default=0) + _MLP_TOKENS
+        chunk = int((-depth + math.sqrt(depth * depth + 4 * units)) / 2)
+        return len(sched.running) + chunk
 
 
 class AsyncLLM:
@@ -55,6 +104,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._accepting = True
         self._stop = False
+        self._deadline: float | None = None  # monotonic; the loop aborts everything at it
+        self._meter = _StepMeter()
+        self._full_budget = self.engine.scheduler.config
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -109,19 +161,26 @@ class AsyncLLM:
         return len(self._sinks)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop admitting, let in-flight requests finish until ``timeout``, abort the rest,
-        stop the loop."""
+        """Stop admitting, let in-flight requests finish until ``timeout``, abort the rest, stop
+        the loop. The deadline holds: the loop aborts between steps and never starts a step
+        that its measured cost says would end after the deadline (prefill is chunked to fit),
+        so callers get ``finish_reason="abort"`` within about ``timeout``. Calling it again
+        (a second signal) can only bring the deadline closer."""
         self._accepting = False
-        deadline = time.monotonic() + timeout
-        while self._sinks and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for rid in list(self._sinks):
-            self._abort_now(rid)
-        # Let the loop apply those aborts (callers get finish_reason "abort", not an error).
-        deadline = time.monotonic() + 5.0
-        while self._sinks and self.is_healthy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        self.set_deadline(time.monotonic() + max(0.0, timeout))
+        assert self._deadline is not None
+        give_up = self._deadline + SHUTDOWN_GRACE_S
+        while self._sinks and self.is_healthy() and time.monotonic() < give_up:
+            await asyncio.sleep(0.02)
         await asyncio.to_thread(self.close)
+
+    def set_deadline(self, deadline: float) -> None:
+        """Abort every request at ``deadline`` (monotonic seconds); the earliest call wins."""
+        self._accepting = False
+        with self._cv:
+            if self._deadline is None or deadline < self._deadline:
+                self._deadline = deadline
+            self._cv.notify()
 
     def close(self) -> None:
         with self._cv:
@@ -195,6 +254,38 @@ class AsyncLLM:
                 if not self.engine.abort_request(rid):
                     self._deliver(rid, _DONE, last=True)
 
+    def _fit_step_to_deadline(self) -> bool:
+        """Before a step while draining: shrink the step's token budget so that it ends before
+        the deadline; False when no useful step fits (then abort everything now)."""
+        assert self._deadline is not None
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        sched = self.engine.scheduler
+        fits = self._meter.tokens_within(sched, remaining)
+        if fits < max(1, len(sched.running)):
+            return False
+        budget = min(self._full_budget.max_num_batched_tokens, fits)
+        if budget != sched.config.max_num_batched_tokens:
+            # The scheduler reads its budget each step; a copy of its frozen config changes it.
+            sched.config = dataclasses.replace(self._full_budget, max_num_batched_tokens=budget)
+        return True
+
+    def _abort_all(self) -> None:
+        for rid in list(self._sinks):
+            if not self.engine.abort_request(rid):
+                self._deliver(rid, _DONE, last=True)
+        for out in self.engine.step():  # only the pending abort outputs: nothing is left to run
+            self._deliver(out.request_id, out, last=out.finished)
+
+    def _step(self) -> None:
+        before = self._meter.snapshot(self.engine.scheduler)
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        self._meter.observe(before, time.perf_counter() - t0)
+        for out in outs:
+            self._deliver(out.request_id, out, last=out.finished)
+
     def _loop(self) -> None:
         try:
             while True:
@@ -206,8 +297,10 @@ class AsyncLLM:
                     if self._stop:
                         break
                 self._apply_commands()
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out, last=out.finished)
+                if self._deadline is not None and not self._fit_step_to_deadline():
+                    self._abort_all()
+                    continue
+                self._step()
         except BaseException as exc:  # a bug in a step: fail everyone loudly, never hang them
             self._error = exc
             for rid in list(self._sinks):

@@ -35,6 +35,7 @@ import zmq.asyncio
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_S = 120.0
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server answers larger requests with a 413
 MAX_BUFFERED = 10_000  # replies held for one call before the call fails (a consumer too slow)
 OPS = ("generate", "stream", "abort", "health", "metrics")
 
@@ -156,6 +157,17 @@ def _result(reply: dict) -> GenerateResult:
     )
 
 
+def _pack_request(msg: dict) -> bytes:
+    data = pack(msg)
+    if len(data) > MAX_MESSAGE_BYTES:  # fail here rather than wait for the server's 413
+        raise RPCError(
+            f"a request must be at most {MAX_MESSAGE_BYTES} bytes, got {len(data)}",
+            413,
+            "RequestTooLargeError",
+        )
+    return data
+
+
 def _unreachable(address: str) -> RPCError:
     # The socket's send queue is full: the server has not been taking messages for a while.
     return RPCError(f"cannot send to {address}: the server is not taking requests", 503)
@@ -261,7 +273,7 @@ class RPCClient:
             msg["id"] = call_id
             box: deque = deque()
             try:
-                self._sock.send(pack(msg), flags=zmq.NOBLOCK)
+                self._sock.send(_pack_request(msg), flags=zmq.NOBLOCK)
             except zmq.Again:
                 raise _unreachable(self.address) from None
             self._inbox[call_id] = box
@@ -398,7 +410,7 @@ class AsyncRPCClient:
         msg["id"] = call_id
         queue: asyncio.Queue = asyncio.Queue(MAX_BUFFERED)
         try:
-            await self._sock.send(pack(msg), flags=zmq.NOBLOCK)
+            await self._sock.send(_pack_request(msg), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise _unreachable(self.address) from None
         self._inbox[call_id] = queue

@@ -94,17 +94,27 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
+# The CPU default KV cache (kv_cache_memory_gb=None): room for this many requests of the full
+# context at once, and never more than this share of the memory available when the engine
+# starts. A CPU serves few sequences fast; a bigger cache is slower to start (it is zeroed)
+# and holds memory nobody asked for. Set kv_cache_memory_gb (--kv-cache-memory-gb) for more.
+CPU_KV_DEFAULT_SEQS = 4
+CPU_KV_MAX_SHARE_OF_AVAILABLE = 0.2
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens for every layer.
 
     ``num_blocks=None`` sizes the cache from ``kv_cache_memory_gb`` on CPU, or from measured free
-    memory times ``gpu_memory_utilization`` on CUDA.
+    memory times ``gpu_memory_utilization`` on CUDA. ``kv_cache_memory_gb=None`` (the default)
+    on CPU: ``sized_for`` picks enough for CPU_KV_DEFAULT_SEQS requests of the full context,
+    capped at CPU_KV_MAX_SHARE_OF_AVAILABLE of available memory.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
 
@@ -113,11 +123,39 @@ class CacheConfig:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
-        _positive("kv_cache_memory_gb", self.kv_cache_memory_gb)
+        if self.kv_cache_memory_gb is not None:
+            _positive("kv_cache_memory_gb", self.kv_cache_memory_gb)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    def sized_for(
+        self, bytes_per_token: int, max_model_len: int, max_num_seqs: int
+    ) -> tuple[CacheConfig, str]:
+        """This config with the CPU default size filled in (unchanged if a size was given),
+        and a line saying what was chosen and why, for the log."""
+        if self.num_blocks is not None or self.kv_cache_memory_gb is not None:
+            return self, ""
+        import psutil
+
+        seqs = min(max_num_seqs, CPU_KV_DEFAULT_SEQS)
+        wanted = max_model_len * seqs * bytes_per_token
+        cap = int(psutil.virtual_memory().available * CPU_KV_MAX_SHARE_OF_AVAILABLE)
+        size = max(min(wanted, cap), 2 * self.block_size * bytes_per_token)
+        why = (
+            f"{seqs} sequences of {max_model_len} tokens"
+            if size == wanted
+            else f"capped at {CPU_KV_MAX_SHARE_OF_AVAILABLE:.0%} of available memory"
+        )
+        gb = size / 1024**3
+        line = (
+            f"KV cache: {gb:.2f} GiB, {size // bytes_per_token} tokens ({why}); "
+            "set --kv-cache-memory-gb (kv_cache_memory_gb) to change it"
+        )
+        from dataclasses import replace
+
+        return replace(self, kv_cache_memory_gb=gb), line
 
 
 @dataclass(frozen=True)

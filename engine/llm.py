@@ -29,7 +29,7 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
-        kv_cache_memory_gb: float = 4.0,
+        kv_cache_memory_gb: float | None = None,  # None: sized for the model (config.py)
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 128,

@@ -6,6 +6,7 @@ Not thread-safe: one thread owns it (the embedded LLM, or the loop thread of Asy
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kvcache.connector import KVConnector, step_blocks
 from engine.kvcache.kv_cache_manager import KVCacheManager
-from engine.kvcache.paged_cache import PagedKVCache, choose_num_blocks
+from engine.kvcache.paged_cache import PagedKVCache, bytes_per_block, choose_num_blocks
 from engine.layers.llama import LayerHook, LlamaForCausalLM
 from engine.metrics import EngineMetrics, MetricsSnapshot, StepTimes
 from engine.model_loader import load_model
@@ -27,6 +28,8 @@ from engine.sampling import Sampler, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.stop_conditions import check_stop, safe_text_len
+
+logger = logging.getLogger("engine")
 
 
 @dataclass
@@ -57,7 +60,15 @@ class LLMEngine:
         del loaded
         model.eval()
         self.model = model
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
         cc = config.cache
+        if self.device.type != "cuda":
+            per_token = bytes_per_block(self.model_config, cc.block_size, self.dtype)
+            cc, chosen = cc.sized_for(
+                per_token // cc.block_size, max_len, config.scheduler.max_num_seqs
+            )
+            if chosen:
+                logger.info(chosen)
         num_blocks = choose_num_blocks(self.model_config, cc, self.dtype, self.device)
         self.cache = PagedKVCache(
             self.model_config, num_blocks, cc.block_size, self.dtype, self.device
@@ -70,7 +81,6 @@ class LLMEngine:
             self.connector = make_pool_connector(
                 config.kv_pool, self.model_config, model, self.cache, self.device
             )
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_len}) must be <= the model's max_position_embeddings "
@@ -78,6 +88,13 @@ class LLMEngine:
             )
         # One request must always fit in the cache by itself, or preemption could not help it.
         self.max_model_len = min(max_len, num_blocks * cc.block_size)
+        if self.max_model_len < max_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d tokens: the KV cache holds no more "
+                "(raise --kv-cache-memory-gb)",
+                max_len,
+                self.max_model_len,
+            )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.connector)
         self.runner = ModelRunner(model, self.cache, self.device)
         self.sampler = Sampler()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+# The sampler works in float32: a larger temperature or penalty becomes inf there (and then
+# NaN next to a masked -inf logit), so it is refused here.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,9 @@ class SamplingParams:
 
         check(is_int(self.n) and self.n >= 1, "n", ">= 1", self.n)
         check(
-            is_num(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+            is_num(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
             "temperature",
-            "a finite number >= 0",
+            f"a number in [0, {FLOAT32_MAX:.8g}] (float32, the sampler's precision)",
             self.temperature,
         )
         check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
@@ -69,9 +72,9 @@ class SamplingParams:
         )
         check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
         check(
-            is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+            is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= FLOAT32_MAX,
             "repetition_penalty",
-            "> 0",
+            f"in (0, {FLOAT32_MAX:.8g}] (float32, the sampler's precision)",
             self.repetition_penalty,
         )
         for name in ("presence_penalty", "frequency_penalty"):

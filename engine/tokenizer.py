@@ -97,10 +97,14 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. ``add_special_tokens`` adds BOS/EOS where the model asks for them;
         special tokens written in the text (``<|im_start|>``) are always recognised."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call releases the GIL while it works (encode does not), so a long text
+        # tokenized on a worker thread does not stall the servers' event loop.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if len(ids) < 256:  # short: the batch call's overhead is not worth it
+            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]

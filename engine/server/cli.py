@@ -12,7 +12,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=4.0)
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV cache size on CPU (default: 4 requests of the full context, at most 20%% "
+        "of available memory; the log says what was chosen)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--no-prefix-caching", action="store_true")

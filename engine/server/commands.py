@@ -26,6 +26,18 @@ def add_server_commands(subparsers, engine_args_fn) -> None:
         help="model name(s) clients use (repeat for aliases; default: the --model value)",
     )
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    s.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="do not serve /openapi.json, /docs and /redoc (served by default, as in vLLM)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=2048,
+        help="open connections at most (half of them per client address); beyond, stalled "
+        "readers are closed, then new connections get 429",
+    )
     _common(s)
     s.set_defaults(func=cmd_serve)
 
@@ -48,7 +60,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--max-pending",
         type=int,
         default=None,
-        help="requests in flight before new ones get 429 (default: the scheduler's max_waiting)",
+        help="requests in flight before new ones get 429 (default: half of --max-connections "
+        "for serve, --max-inflight for rpc)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -65,13 +78,36 @@ def _make_engine(args: argparse.Namespace):
     return AsyncLLM(config=engine_config_from_args(args), max_pending=args.max_pending)
 
 
+def _check_limits(args: argparse.Namespace) -> None:
+    """Overload must meet the documented 429 of the admission queue before any other limit:
+    requests in flight stay below the connection cap (HTTP) or the calls cap (RPC)."""
+    cap, name = (
+        (args.max_connections, "--max-connections")
+        if args.command == "serve"
+        else (args.max_inflight, "--max-inflight")
+    )
+    if cap < 2:
+        raise ValueError(f"{name} must be >= 2, got {cap}")
+    if args.max_pending is None:
+        args.max_pending = cap // 2 if args.command == "serve" else cap
+    elif args.max_pending > cap:
+        raise ValueError(f"--max-pending ({args.max_pending}) must be <= {name} ({cap})")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine import envs
-    from engine.server.http_server import serve_http
+    from engine.server.http_limits import HTTPLimits
+    from engine.server.http_server import bind_socket, serve_http
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    llm = _make_engine(args)
+    _check_limits(args)
+    sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
+    try:
+        llm = _make_engine(args)
+    except BaseException:
+        sock.close()
+        raise
     names = args.served_model_name or [args.model]
     key = args.api_key or envs.api_key()
     host = f"[{args.host}]" if ":" in args.host else args.host
@@ -96,17 +132,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         access_log=args.access_log,
+        limits=HTTPLimits(
+            max_connections=args.max_connections,
+            max_connections_per_client=max(1, args.max_connections // 2),
+        ),
+        sock=sock,
+        enable_docs=not args.disable_fastapi_docs,
+        model_root=args.model,
     )
 
 
 def cmd_rpc(args: argparse.Namespace) -> int:
-    from engine.server.rpc_server import serve_rpc
+    from engine.server.rpc_server import check_address, serve_rpc
 
+    _check_limits(args)
+    check_address(args.address)  # before the model loads: a bad or taken address fails now
     llm = _make_engine(args)
     print(
         f"RPC server on {args.address}. From Python:\n"
         f"  from engine.client import RPCClient\n"
-        f"  print(RPCClient({args.address!r}).generate('Hello!', max_tokens=32).text)",
+        f"  client = RPCClient({args.address!r})\n"
+        f"  print(client.generate('The capital of France is', max_tokens=16, "
+        "temperature=0.2, top_p=0.9).text)",
         file=sys.stderr,
         flush=True,
     )

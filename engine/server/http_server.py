@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import signal
+import socket
 import time
 from contextlib import asynccontextmanager
 
@@ -23,11 +25,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_llm import EngineShuttingDownError
 from engine.scheduler import QueueFullError
+from engine.server import openapi
 from engine.server.errors import APIError, error_body, to_api_error
+from engine.server.http_limits import HTTPLimits, protocol_class
+from engine.server.offload import Offloader
 from engine.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,10 +60,16 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     shutdown_engine: bool = True,
+    enable_docs: bool = True,
+    model_root: str | None = None,
 ) -> FastAPI:
     """The ASGI app. ``llm`` is any EngineClient (engine_client.py); ``shutdown_engine``: shut it
-    down when the app stops (off when the engine outlives the app, as in tests)."""
+    down when the app stops (off when the engine outlives the app, as in tests).
+    ``enable_docs``: serve /openapi.json, /docs and /redoc (vLLM does by default).
+    ``model_root``: what /v1/models shows as ``root`` (vLLM: the --model value as given)."""
+    root = model_root or served_model_names[0]
     serving = OpenAIServing(llm, served_model_names)
+    offload = Offloader()
     rejections = Rejections()
     registry = make_registry(EngineCollector(llm, served_model_names[0], rejections))
     state = ServerState()
@@ -66,12 +78,19 @@ def build_app(
     async def lifespan(app: FastAPI):
         yield
         state.draining = True
+        offload.close()
         if shutdown_engine:
             await llm.shutdown(timeout=0.0)  # no-op if the drain already shut it down
 
-    app = FastAPI(title="engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="engine", version=_version(), lifespan=lifespan, **docs)
+    openapi.install(
+        app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    )
+    auth = bool(api_key)
     app.state.server = state
     app.state.llm = llm
+    app.state.rejections = rejections
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
 
@@ -104,7 +123,7 @@ def build_app(
         body = await read_body(request, model, max_body_bytes)
         aliases = {"prompt": "messages"} if model is ChatCompletionRequest else None
         try:
-            job = make_job(body)
+            job = await offload(make_job, body)  # tokenizing, templates: off the event loop
 
             async def admit() -> RequestStreams:
                 return await serving.start(job, body.request_id)
@@ -121,23 +140,50 @@ def build_app(
         except (ValueError, TypeError, QueueFullError, EngineShuttingDownError) as exc:
             raise to_api_error(exc, aliases) from exc
 
-    @app.post("/v1/completions")
+    generation_docs = dict(
+        response_class=JSONResponse,
+        responses={
+            200: {
+                "description": "The completion; server-sent events when stream is true",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **openapi.errors(400, 404, 413, 503, auth=auth),
+        },
+    )
+
+    @app.post(
+        "/v1/completions",
+        openapi_extra=openapi.json_body(CompletionRequest),
+        **generation_docs,
+    )
     async def completions(request: Request) -> Response:
         return await generation(request, CompletionRequest, serving.completion_job)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=openapi.json_body(ChatCompletionRequest),
+        **generation_docs,
+    )
     async def chat_completions(request: Request) -> Response:
         return await generation(request, ChatCompletionRequest, serving.chat_job)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.errors(auth=auth))
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(llm, name) for name in served_model_names]}
+        cards = [model_card(llm, name, root) for name in served_model_names]
+        return {"object": "list", "data": cards}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", responses=openapi.errors(400, 404, auth=auth))
     async def model(name: str) -> dict:
-        return model_card(llm, serving.check_model(name))
+        return model_card(llm, serving.check_model(name), root)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "Healthy (an empty body)", "content": None},
+            **openapi.errors(503),
+        },
+    )
     async def health() -> Response:
         if state.draining:
             return JSONResponse(error_body(503, "the server is shutting down"), 503)
@@ -145,11 +191,25 @@ def build_app(
             return JSONResponse(error_body(503, "the engine is not running"), 503)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **openapi.errors(auth=auth),
+        },
+    )
     async def metrics() -> Response:
         return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
+    @app.post(
+        "/tokenize",
+        openapi_extra=openapi.json_body(TokenizeRequest),
+        responses=openapi.errors(400, 404, 413, auth=auth),
+    )
     async def tokenize(request: Request) -> dict:
         body = await read_body(request, TokenizeRequest, max_body_bytes)
         serving.check_model(body.model)
@@ -158,12 +218,20 @@ def build_app(
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages must not be empty", "messages")
-            tokens = serving.render_chat(body.messages, body.add_generation_prompt, None)
+            tokens = await offload(
+                serving.render_chat, body.messages, body.add_generation_prompt, None
+            )
         else:
-            tokens = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await offload(
+                llm.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         return {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
+    @app.post(
+        "/detokenize",
+        openapi_extra=openapi.json_body(DetokenizeRequest),
+        responses=openapi.errors(400, 404, 413, auth=auth),
+    )
     async def detokenize(request: Request) -> dict:
         body = await read_body(request, DetokenizeRequest, max_body_bytes)
         serving.check_model(body.model)
@@ -171,18 +239,25 @@ def build_app(
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of range [0, {vocab})", "tokens")
-        return {"prompt": llm.tokenizer.decode(body.tokens)}
+        return {"prompt": await offload(llm.tokenizer.decode, body.tokens)}
 
     return app
 
 
-def model_card(llm, name: str) -> dict:
+def _version() -> str:
+    try:
+        return importlib.metadata.version("engine")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
+def model_card(llm, name: str, root: str) -> dict:
     return {
         "id": name,
         "object": "model",
         "created": 0,
         "owned_by": "engine",
-        "root": str(llm.model_path),
+        "root": root,
         "max_model_len": llm.max_model_len,
     }
 
@@ -196,11 +271,14 @@ async def read_body(request: Request, model: type[BaseModel], limit: int):
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body must be at most {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body must be at most {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body must be at most {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed by a read deadline: nobody to answer
+        raise APIError(408, "the client went away before sending the whole body") from None
     try:
         return model.model_validate_json(b"".join(chunks))
     except ValidationError as exc:
@@ -280,17 +358,24 @@ class SSEResponse(StreamingResponse):
 
 
 class BearerAuth:
-    """Pure ASGI middleware (it does not buffer streamed responses): every route but /health
-    needs ``Authorization: Bearer <api_key>``."""
+    """Pure ASGI middleware (it does not buffer streamed responses): every route but the public
+    ones needs ``Authorization: Bearer <api_key>``. The scheme name is case-insensitive (RFC
+    7235; vLLM compares it case-sensitively). Public: /health and the API's description
+    (/openapi.json, /docs, /redoc), as in vLLM; unlike vLLM, /metrics and /tokenize need the
+    key too, since they expose traffic and the vocabulary."""
+
+    PUBLIC = frozenset(("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"))
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.PUBLIC:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, token = given.strip().partition(b" ")
+            ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+            if not ok:
                 response = JSONResponse(
                     error_body(401, "a valid API key is required (Authorization: Bearer <key>)"),
                     status_code=401,
@@ -306,25 +391,28 @@ class BearerAuth:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a graceful drain on the first SIGTERM/SIGINT: the app answers 503 while
-    in-flight requests finish (until ``drain_timeout``), then uvicorn shuts down. uvicorn's own
-    handler would re-raise the signal after shutdown and so never exit 0."""
+    in-flight requests finish (until ``drain_timeout``), then uvicorn shuts down. A second
+    signal moves the engine's deadline to now: everything in flight is aborted at the end of
+    the current step (clients get ``finish_reason: "abort"``) and the server exits as after a
+    drain. uvicorn's own handler would re-raise the signal after shutdown and so never exit 0,
+    and its force-exit would leave the engine thread inside a step while the interpreter exits
+    (a C++ abort, exit code 134)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
         super().__init__(config)
         self._app = app
         self.drain_timeout = drain_timeout
-        self._drain_requested = False
+        self._signals = 0
         self._drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._drain_requested:  # a second signal: stop now
-            self.should_exit = True
-            self.force_exit = True
-        self._drain_requested = True
+        self._signals += 1  # acted on in on_tick, on the event loop (not in the handler)
 
     async def on_tick(self, counter: int) -> bool:
-        if self._drain_requested and self._drain_task is None:
+        if self._signals and self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self.drain())
+        if self._signals > 1:
+            self._app.state.llm.set_deadline(time.monotonic())
         return await super().on_tick(counter)
 
     async def drain(self) -> None:
@@ -337,6 +425,35 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now; ValueError in one line if the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_config(app: FastAPI, limits: HTTPLimits | None = None, **kwargs) -> uvicorn.Config:
+    """uvicorn's config for ``app`` with our connection limits and read deadlines."""
+    limits = limits or HTTPLimits()
+    rejections = getattr(app.state, "rejections", None)
+    return uvicorn.Config(
+        app,
+        http=protocol_class(limits, rejections.add if rejections else lambda reason: None),
+        limit_concurrency=None,  # replaced by the protocol's caps, which answer 429
+        timeout_keep_alive=limits.keep_alive_s,
+        h11_max_incomplete_event_size=limits.max_head_bytes,
+        lifespan="on",
+        **kwargs,
+    )
+
+
 def serve_http(
     llm,
     host: str = "127.0.0.1",
@@ -346,22 +463,35 @@ def serve_http(
     drain_timeout: float = 30.0,
     log_level: str = "info",
     access_log: bool = False,
-    max_connections: int = 2048,
+    limits: HTTPLimits | None = None,
+    sock: socket.socket | None = None,
+    enable_docs: bool = True,
+    model_root: str | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread."""
-    app = build_app(llm, served_model_names or [str(llm.model_path)], api_key)
-    config = uvicorn.Config(
+    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread.
+    ``sock``: a socket bound already (``bind_socket``), so that a port in use is found before
+    the model loads."""
+    app = build_app(
+        llm,
+        served_model_names or [str(llm.model_path)],
+        api_key,
+        enable_docs=enable_docs,
+        model_root=model_root,
+    )
+    config = uvicorn_config(
         app,
+        limits,
         host=host,
         port=port,
         log_level=log_level,
         access_log=access_log,
-        limit_concurrency=max_connections,
         timeout_graceful_shutdown=5,
-        lifespan="on",
     )
     server = DrainingServer(config, app, drain_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)  # also covers a signal before uvicorn starts
-    server.run()
+    try:
+        server.run(sockets=[sock] if sock is not None else None)
+    finally:
+        llm.close()  # the engine thread must not be inside a step while the interpreter exits
     return 0

@@ -8,11 +8,13 @@ style); here only what SamplingParams cannot see.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import SamplingParams
+from engine.server.errors import APIError
 
 MAX_N = 128  # choices per prompt, as OpenAI caps n
 MAX_SEQUENCES = 1024  # prompts x n in one request
@@ -21,6 +23,32 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1 - MAX_N  # the engine seeds choice i 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+# Options that OpenAI or vLLM define and this server does not implement. Each is declared so
+# that a request using it gets a 400 naming it: ignoring it silently (a 200 that did not do
+# what was asked) is the worst answer. A value that asks for nothing (None, tool_choice "none",
+# an empty tools list) is accepted. They are left out of the OpenAPI document.
+_UNSUPPORTED = (
+    "tools functions function_call tool_choice parallel_tool_calls response_format "
+    "guided_json guided_choice guided_regex guided_grammar guided_decoding_backend "
+    "guided_whitespace_pattern structured_outputs grammar json_schema prompt_logprobs"
+).split()
+_NO_OPS: dict[str, tuple] = {
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),  # about tools, and there are none
+    "response_format": ({"type": "text"},),
+}
+
+
+def reject_unsupported(model: BaseModel, names: list[str]) -> None:
+    for name in names:
+        value = getattr(model, name, None)
+        if value is None or any(value == ok for ok in _NO_OPS.get(name, ())):
+            continue
+        raise APIError(400, f"{name} is not supported by this server", name)
 
 
 class StreamOptions(_Strict):
@@ -53,12 +81,31 @@ class _SamplingRequest(_Strict):
     best_of: int | None = None
     request_id: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(None, max_length=256)
+    tools: SkipJsonSchema[Any] = None
+    functions: SkipJsonSchema[Any] = None
+    function_call: SkipJsonSchema[Any] = None
+    tool_choice: SkipJsonSchema[Any] = None
+    parallel_tool_calls: SkipJsonSchema[Any] = None
+    response_format: SkipJsonSchema[Any] = None
+    guided_json: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
+    guided_decoding_backend: SkipJsonSchema[Any] = None
+    guided_whitespace_pattern: SkipJsonSchema[Any] = None
+    structured_outputs: SkipJsonSchema[Any] = None
+    grammar: SkipJsonSchema[Any] = None
+    json_schema: SkipJsonSchema[Any] = None
+    prompt_logprobs: SkipJsonSchema[Any] = None
 
     def _check_unsupported(self) -> None:
+        reject_unsupported(self, _UNSUPPORTED)
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise APIError(400, "logit_bias is not supported by this server", "logit_bias")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of must equal n ({self.n}) when given, got {self.best_of}")
+            raise APIError(
+                400, f"best_of must equal n ({self.n}) when given, got {self.best_of}", "best_of"
+            )
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request; raises ValueError naming a bad field."""
@@ -124,12 +171,32 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: SkipJsonSchema[Any] = None  # refused (ChatCompletionRequest.check_chat_unsupported)
+    tool_call_id: SkipJsonSchema[Any] = None
 
-    def as_template_dict(self) -> dict:
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text_parts(cls, data):
+        # Name the part type we do not take, instead of pydantic's union complaint
+        # ("content.str: Input should be a valid string").
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported (only 'text')"
+                    )
+        return data
+
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        out = {"role": self.role, "content": content or ""}
+            return "".join(part.text for part in content)
+        return content or ""
+
+    def as_template_dict(self) -> dict:
+        out = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
         return out
@@ -143,21 +210,38 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    echo: SkipJsonSchema[Any] = None
+    chat_template: SkipJsonSchema[Any] = None
+    continue_final_message: SkipJsonSchema[Any] = None
 
     def engine_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= 20:
+                raise APIError(
+                    400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs"
+                )
+            if not self.logprobs:
+                raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
 
     def check_chat_unsupported(self) -> None:
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
+        for name in ("echo", "continue_final_message"):
+            if getattr(self, name) not in (None, False):
+                raise APIError(400, f"{name} is not supported by this server", name)
+        if self.chat_template is not None:
+            raise APIError(
+                400,
+                "chat_template in a request is not accepted: the model's own template is used",
+                "chat_template",
+            )
+        for i, m in enumerate(self.messages):
+            if m.tool_calls is not None or m.tool_call_id is not None:
+                field = "tool_calls" if m.tool_calls is not None else "tool_call_id"
+                raise APIError(
+                    400, f"messages.{i}.{field}: tool calls are not supported", "messages"
+                )
 
 
 class TokenizeRequest(_Strict):

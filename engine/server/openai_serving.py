@@ -6,7 +6,10 @@ event bytes, and raises APIError or the engine's own exceptions (mapped in error
 
 from __future__ import annotations
 
+import codecs
+import functools
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, to_api_error
+from engine.server.offload import check_prompt_chars
 from engine.server.openai_protocol import (
     MAX_SEQUENCES,
     ChatCompletionRequest,
@@ -57,6 +61,7 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.model_names = model_names
         self._token_str: dict[int, str] = {}  # bounded by the vocabulary
+        self._token_bytes: dict[int, bytes] = {}
 
     # -- resolving requests -------------------------------------------------------------------
 
@@ -71,11 +76,14 @@ class OpenAIServing:
     def completion_job(self, req: CompletionRequest) -> Job:
         model = self.check_model(req.model)
         if req.suffix is not None:
-            raise ValueError("suffix is not supported")
+            raise APIError(400, "suffix is not supported by this server", "suffix")
         if req.echo and req.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported")
+            raise APIError(400, "echo with logprobs is not supported by this server", "echo")
         raw = req.prompts()
         _check_count(len(raw), req.n)
+        for p in raw:
+            if isinstance(p, str):
+                check_prompt_chars(len(p), self.tokenizer, self.llm.max_model_len, "prompt")
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in raw]
         max_tokens = req.max_tokens
         if max_tokens is None:
@@ -120,6 +128,8 @@ class OpenAIServing:
     def render_chat(
         self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None
     ) -> list[int]:
+        chars = sum(len(m.text()) for m in messages)
+        check_prompt_chars(chars, self.tokenizer, self.llm.max_model_len, "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 [m.as_template_dict() for m in messages],
@@ -131,6 +141,15 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def start(self, job: Job, request_id: str | None = None) -> RequestStreams:
+        # More prompts than the server ever admits at once would get a 429 on every retry.
+        cap = getattr(self.llm, "max_pending", None)
+        if cap is not None and len(job.prompts) > cap:
+            raise APIError(
+                400,
+                f"prompt holds {len(job.prompts)} prompts, more than this server admits at once "
+                f"({cap}, --max-pending); send fewer per request",
+                "prompt",
+            )
         return await RequestStreams.start(
             self.llm, job.prompts, job.params, request_id or job.id, job.cache_salt
         )
@@ -162,7 +181,7 @@ class OpenAIServing:
         index = prompt_index * job.params.n + c.index
         lps = None
         if job.top_logprobs is not None and c.logprobs is not None:
-            lps = self._logprobs(job, c.token_ids, c.logprobs, 0)
+            lps = self._logprobs(job, c.logprobs, TextCursor())
         out = {"index": index, "logprobs": lps, "finish_reason": c.finish_reason}
         if job.chat:
             out["message"] = {"role": "assistant", "content": c.text}
@@ -189,7 +208,7 @@ class OpenAIServing:
         error after the headers went out is sent as an error event."""
         finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
-        offsets: dict[int, int] = {}
+        offsets: dict[int, TextCursor] = {}
         try:
             async for i, out in streams:
                 finals[i] = out
@@ -231,8 +250,7 @@ class OpenAIServing:
         text = c.new_text
         lps = None
         if job.top_logprobs is not None and c.new_logprobs is not None:
-            lps = self._logprobs(job, c.new_token_ids, c.new_logprobs, offsets.get(index, 0))
-        offsets[index] = offsets.get(index, 0) + len(text)
+            lps = self._logprobs(job, c.new_logprobs, offsets.setdefault(index, TextCursor()))
         if job.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": index, "delta": delta}
@@ -255,25 +273,36 @@ class OpenAIServing:
             self._token_str[token_id] = s
         return s
 
-    def _logprobs(
-        self, job: Job, token_ids: list[int], lps: list[TokenLogprob], offset: int
-    ) -> dict:
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes. A byte-level token that holds part of a multi-byte character
+        decodes to U+FFFD alone; its bytes are read from its vocabulary spelling instead, so
+        that joining the tokens' bytes rebuilds the text (what OpenAI's ``bytes`` is for)."""
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            text = self.token_str(token_id)
+            b = text.encode()
+            if "\ufffd" in text:
+                piece = self.tokenizer.convert_ids_to_tokens([token_id])[0]
+                b = _piece_bytes(piece) or b
+            self._token_bytes[token_id] = b
+        return b
+
+    def _logprobs(self, job: Job, lps: list[TokenLogprob], cursor: TextCursor) -> dict:
         k = job.top_logprobs or 0
         if job.chat:
             content = []
             for lp in lps:
-                s = self.token_str(lp.token_id)
                 top = sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
                 content.append(
                     {
-                        "token": s,
+                        "token": self.token_str(lp.token_id),
                         "logprob": max(lp.logprob, MIN_LOGPROB),
-                        "bytes": list(s.encode()),
+                        "bytes": list(self.token_bytes(lp.token_id)),
                         "top_logprobs": [
                             {
                                 "token": self.token_str(t),
                                 "logprob": max(v, MIN_LOGPROB),
-                                "bytes": list(self.token_str(t).encode()),
+                                "bytes": list(self.token_bytes(t)),
                             }
                             for t, v in top
                         ],
@@ -282,20 +311,65 @@ class OpenAIServing:
             return {"content": content}
         tokens, values, tops, offsets = [], [], [], []
         for lp in lps:
-            s = self.token_str(lp.token_id)
-            tokens.append(s)
+            tokens.append(self.token_str(lp.token_id))
             values.append(max(lp.logprob, MIN_LOGPROB))
             top = dict(sorted(lp.top.items(), key=lambda kv: -kv[1])[:k])
             top.setdefault(lp.token_id, lp.logprob)
             tops.append({self.token_str(t): max(v, MIN_LOGPROB) for t, v in top.items()})
-            offsets.append(offset)
-            offset += len(s)
+            offsets.append(cursor.advance(self.token_bytes(lp.token_id)))
         return {
             "tokens": tokens,
             "token_logprobs": values,
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+
+class TextCursor:
+    """Characters of text so far, fed token bytes: a token's ``text_offset`` is the number of
+    whole characters before it (the bytes of a character split over tokens count once)."""
+
+    def __init__(self, chars: int = 0) -> None:
+        self.chars = chars
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, data: bytes) -> int:
+        """The offset of a token with these bytes; then move past it."""
+        at = self.chars
+        self.chars += len(self._decoder.decode(data))
+        return at
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's map from the characters that spell bytes in a byte-level vocabulary to bytes."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _piece_bytes(piece: str | None) -> bytes | None:
+    """Bytes of a vocabulary piece: SentencePiece's byte fallback ``<0xE2>``, or a byte-level
+    BPE piece; None if it is neither."""
+    if piece is None:
+        return None
+    m = _BYTE_PIECE.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    alphabet = _byte_level_alphabet()
+    if all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return None
 
 
 def _check_count(num_prompts: int, n: int) -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import math
 import signal
+import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -27,12 +28,20 @@ from engine.client import DEFAULT_ADDRESS, OPS, pack
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, to_api_error
+from engine.server.offload import Offloader, check_prompt_chars
 from engine.server.openai_protocol import MAX_N
 
 logger = logging.getLogger("engine.server.rpc")
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-SEND_HWM = 100_000  # replies queued per peer before the peer counts as too slow
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a larger request gets a 413 error reply
+HARD_MAX_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES  # zmq drops a peer that sends more (no reply)
+# Replies queued per peer before the peer counts as too slow and its calls are aborted. With
+# ids and request ids bounded (MAX_ID_CHARS), a stream chunk is a few hundred bytes, so a peer
+# that never reads holds at most about SEND_HWM * 1 KB of the server's memory (one result of a
+# huge n can be larger; it is one message).
+SEND_HWM = 1000
+RECV_HWM = 1000  # requests queued before the receive loop takes them (it never blocks long)
+MAX_ID_CHARS = 256
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"extra"}
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
@@ -48,8 +57,24 @@ class _Call:
     expired: bool = False
 
 
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def params_from_wire(raw) -> SamplingParams:
-    """SamplingParams from an untrusted map: unknown keys and wrong types are 400s."""
+    """SamplingParams from an untrusted map: unknown keys and wrong types are 400s naming the
+    field and the type it needs."""
     if raw is None:
         return SamplingParams()
     if not isinstance(raw, dict):
@@ -57,18 +82,35 @@ def params_from_wire(raw) -> SamplingParams:
     unknown = sorted(str(k) for k in raw if k not in _PARAM_FIELDS)
     if unknown:
         raise ValueError(f"params has unknown fields: {', '.join(unknown)}")
-    for name in _BOOL_FIELDS:
-        if name in raw and not isinstance(raw[name], bool):
-            raise ValueError(f"{name} must be a boolean, got {raw[name]!r}")
-    if isinstance(raw.get("n"), int) and raw["n"] > MAX_N:
+    for name, value in raw.items():
+        if value is None and name in ("seed", "logprobs"):
+            continue
+        if name in _BOOL_FIELDS and not isinstance(value, bool):
+            raise ValueError(f"{name} must be a boolean, got {value!r} ({type(value).__name__})")
+        if name in _INT_FIELDS and not _is_int(value):
+            raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        if name in _FLOAT_FIELDS and not (_is_int(value) or isinstance(value, float)):
+            raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if raw.get("n", 1) > MAX_N:
         raise ValueError(f"n must be <= {MAX_N}, got {raw['n']}")
     seed = raw.get("seed")
-    if isinstance(seed, int) and not -(2**63) <= seed <= 2**63 - 1 - MAX_N:
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1 - MAX_N:
         raise ValueError(f"seed must be in [-2**63, 2**63 - {MAX_N + 1}], got {seed}")
-    for name in ("stop", "stop_token_ids"):
-        if name in raw and not isinstance(raw[name], (list, str)):
-            raise ValueError(f"{name} must be a list, got {raw[name]!r}")
+    stop = raw.get("stop", [])
+    if not isinstance(stop, str) and not (
+        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    ):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    ids = raw.get("stop_token_ids", [])
+    if not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
     return SamplingParams(**raw)
+
+
+def _valid_id(call_id) -> bool:
+    if call_id is None or (isinstance(call_id, int) and not isinstance(call_id, bool)):
+        return True
+    return isinstance(call_id, str) and len(call_id) <= MAX_ID_CHARS
 
 
 def _wire_output(c: CompletionOutput, delta: bool) -> dict:
@@ -106,8 +148,12 @@ class RPCServer:
         max_timeout: float = 3600.0,
         drain_timeout: float = 30.0,
         shutdown_engine: bool = True,
+        send_hwm: int = SEND_HWM,
+        send_buffer_bytes: int = -1,
     ) -> None:
         self.llm = llm
+        self.send_hwm = send_hwm
+        self.send_buffer_bytes = send_buffer_bytes  # the kernel's SO_SNDBUF; -1: the OS default
         self.address = address
         self.model_name = model_name or str(llm.model_path)
         self.max_inflight = max_inflight
@@ -118,6 +164,7 @@ class RPCServer:
         self.bound_address: str | None = None  # the endpoint actually bound (port 0 resolved)
         self.draining = False
         self._calls: dict[tuple[bytes, str], _Call] = {}
+        self._offload = Offloader()
         self._stop = asyncio.Event()
         self._sock: zmq.asyncio.Socket | None = None
 
@@ -134,9 +181,10 @@ class RPCServer:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises
-        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        sock.setsockopt(zmq.RCVHWM, SEND_HWM)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, self.send_hwm)
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        sock.setsockopt(zmq.SNDBUF, self.send_buffer_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
         sock.bind(self.address)
         self._sock = sock
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -150,6 +198,7 @@ class RPCServer:
         finally:
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)
+            self._offload.close()
             sock.close(linger=1000)
             ctx.term()
 
@@ -161,6 +210,8 @@ class RPCServer:
             await self.llm.shutdown(timeout=self.drain_timeout)  # finishes or aborts them all
         elif tasks:
             await asyncio.wait(tasks, timeout=self.drain_timeout)
+        if tasks:  # let the calls send their last replies (finish_reason "abort")
+            await asyncio.wait(tasks, timeout=1.0)
         for t in tasks:
             t.cancel()  # aborts the engine request (no-op if finished)
         if tasks:
@@ -183,13 +234,21 @@ class RPCServer:
         peer, payload = tuple(frames[:-1]), frames[-1]
         call_id = None
         try:
+            if len(payload) > MAX_MESSAGE_BYTES:
+                raise APIError(
+                    413, f"a request must be at most {MAX_MESSAGE_BYTES} bytes, got {len(payload)}"
+                )
             msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
             if not isinstance(msg, dict):
                 raise ValueError(f"a request must be a msgpack map, got {type(msg).__name__}")
             call_id = msg.get("id")
-            if call_id is not None and not isinstance(call_id, (int, str)):
-                call_id = None
-                raise ValueError("id must be an integer or a string")
+            if not _valid_id(call_id):
+                call_id = None  # echoing it back would amplify what the peer sent
+                raise APIError(
+                    400,
+                    f"id must be an integer or a string of at most {MAX_ID_CHARS} characters",
+                    "id",
+                )
             op = msg.get("op")
             if op not in OPS:
                 raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
@@ -203,8 +262,11 @@ class RPCServer:
                 metrics = dataclasses.asdict(self.llm.metrics())
                 self._send(peer, {"id": call_id, "type": "ok", "metrics": metrics})
         except Exception as exc:
-            if isinstance(exc, (msgpack.UnpackException, msgpack.ExtraData)):
-                exc = ValueError(f"the frame is not a valid msgpack message: {exc}")
+            if isinstance(exc, msgpack.exceptions.StackError):
+                exc = ValueError("the message nests deeper than msgpack's limit (1024 levels)")
+            elif isinstance(exc, (msgpack.UnpackException, msgpack.ExtraData)):
+                why = str(exc) or type(exc).__name__
+                exc = ValueError(f"the frame is not a valid msgpack message: {why}")
             elif isinstance(exc, (ValueError, TypeError)) and not str(exc):
                 exc = ValueError(f"malformed request: {type(exc).__name__}")
             self._send_error(peer, call_id, to_api_error(exc))
@@ -223,8 +285,8 @@ class RPCServer:
         params = params_from_wire(msg.get("params"))
         request_id = msg.get("request_id") or uuid.uuid4().hex
         salt = msg.get("cache_salt")
-        if not isinstance(request_id, str) or len(request_id) > 256:
-            raise ValueError("request_id must be a string of at most 256 characters")
+        if not isinstance(request_id, str) or len(request_id) > MAX_ID_CHARS:
+            raise ValueError(f"request_id must be a string of at most {MAX_ID_CHARS} characters")
         if salt is not None and not isinstance(salt, str):
             raise ValueError("cache_salt must be a string")
         timeout = msg.get("timeout")
@@ -252,6 +314,11 @@ class RPCServer:
     async def _run_call(self, key, call: _Call, prompt, params, salt) -> None:
         last: RequestOutput | None = None
         try:
+            if isinstance(prompt, str):  # tokenized off the event loop, after a cheap bound
+                check_prompt_chars(
+                    len(prompt), self.llm.tokenizer, self.llm.max_model_len, "prompt"
+                )
+                prompt = await self._offload(self.llm.tokenizer.encode, prompt)
             gen = self.llm.generate(prompt, params, request_id=call.engine_id, cache_salt=salt)
             async with aclosing(gen):
                 async for out in gen:
@@ -333,28 +400,42 @@ class RPCServer:
         self._send(peer, {"id": call_id, "type": "error", **err.body()})
 
 
+def check_address(address: str) -> None:
+    """Bind ``address`` and let it go: ValueError in one line if it is malformed or taken."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise ValueError(f"cannot bind the RPC address {address!r}: {exc}") from None
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 def serve_rpc(llm, address: str = DEFAULT_ADDRESS, drain_timeout: float = 30.0, **kwargs) -> int:
-    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread."""
+    """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread. A second
+    signal aborts everything in flight at the end of the engine's current step, then exits."""
 
     async def main() -> None:
         server = RPCServer(llm, address, drain_timeout=drain_timeout, **kwargs)
         loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
         signals = []
 
-        def on_signal() -> None:  # the first drains, a second stops at once
+        def on_signal() -> None:  # the first drains, a second aborts everything now
             signals.append(1)
             if len(signals) == 1:
                 server.request_stop()
-            elif task is not None:
-                task.cancel()
+            else:
+                logger.warning("second signal: aborting everything in flight")
+                llm.set_deadline(time.monotonic())
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
-        try:
-            await server.serve()
-        except asyncio.CancelledError:
-            logger.warning("stopped without draining (second signal)")
+        await server.serve()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        llm.close()  # the engine thread must not be inside a step while the interpreter exits
     return 0

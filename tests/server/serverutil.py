@@ -16,12 +16,14 @@ MAX_MODEL_LEN = 1024
 class HTTPServer:
     """uvicorn on a free port in a background thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, limits=None) -> None:
+        from engine.server.http_server import uvicorn_config
+
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+        config = uvicorn_config(app, limits, log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
@@ -42,10 +44,11 @@ class HTTPServer:
         self.sock.close()
 
 
-def http_server(llm, api_key: str | None = None) -> HTTPServer:
+def http_server(llm, api_key: str | None = None, limits=None) -> HTTPServer:
     from engine.server.http_server import build_app
 
-    return HTTPServer(build_app(llm, [MODEL], api_key=api_key, shutdown_engine=False))
+    app = build_app(llm, [MODEL], api_key=api_key, shutdown_engine=False)
+    return HTTPServer(app, limits)
 
 
 class RPCThread:

@@ -253,3 +253,100 @@ def test_non_streaming_disconnect_aborts(server, llm):
     time.sleep(0.2)
     wait_idle(llm)
     assert llm.metrics().finished.get("abort", 0) >= 1
+
+
+def test_more_prompts_than_ever_admitted_is_400(http, llm):
+    """A request that could never be admitted is a 400 (not a 429 that clients retry forever)."""
+    saved = llm.max_pending
+    llm.max_pending = 4
+    try:
+        r = http.post(
+            "/v1/completions", json={"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}
+        )
+    finally:
+        llm.max_pending = saved
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "4" in r.json()["error"]["message"]
+
+
+_USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    "path, extra, param",
+    [
+        ("chat", {"functions": [{"name": "f"}]}, "functions"),
+        ("chat", {"function_call": "auto"}, "function_call"),
+        ("chat", {"tool_choice": "auto"}, "tool_choice"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("chat", {"guided_choice": ["a", "b"]}, "guided_choice"),
+        ("chat", {"structured_outputs": {"json": {}}}, "structured_outputs"),
+        ("chat", {"grammar": "root ::= x"}, "grammar"),
+        ("chat", {"json_schema": {}}, "json_schema"),
+        ("chat", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("chat", {"echo": True}, "echo"),
+        ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
+        ("chat", {"continue_final_message": True}, "continue_final_message"),
+        ("chat", {"response_format": {}}, "response_format"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"logit_bias": {"1": 1.0}}, "logit_bias"),
+        ("chat", {"best_of": 3}, "best_of"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        (
+            "chat",
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+            "messages",
+        ),
+        ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("completions", {"guided_regex": "a+"}, "guided_regex"),
+        ("completions", {"suffix": "x"}, "suffix"),
+        ("completions", {"echo": True, "logprobs": 1}, "echo"),
+        ("completions", {"temperature": 1e39, "min_tokens": 2}, "temperature"),
+        ("completions", {"repetition_penalty": 1e39}, "repetition_penalty"),
+    ],
+)
+def test_unsupported_options_are_400_naming_them(http, path, extra, param):
+    """Never a silent 200 that ignored what was asked; the error names the field."""
+    if path == "chat":
+        url, body = "/v1/chat/completions", {"messages": _USER, "max_tokens": 2}
+    else:
+        url, body = "/v1/completions", {"prompt": "Hi", "max_tokens": 2}
+    r = http.post(url, json=body | extra)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["type"] == "BadRequestError"
+
+
+def test_no_op_values_of_unsupported_options_are_accepted(http):
+    body = {"messages": _USER, "max_tokens": 2, "tools": [], "tool_choice": "none"}
+    body |= {"response_format": {"type": "text"}, "parallel_tool_calls": False}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_logprob_bytes_rebuild_multibyte_text(llm):
+    """Byte-level tokens of multi-byte characters: their ``bytes`` join to the text (not to
+    U+FFFD), and completions' text_offset counts characters (two emoji: offsets in [0, 1])."""
+    from engine.outputs import TokenLogprob
+    from engine.sampling_params import SamplingParams
+    from engine.server.openai_serving import Job, OpenAIServing, TextCursor
+
+    serving = OpenAIServing(llm, [MODEL])
+    text = "😀😀 é"
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in serving.token_str(t) for t in ids)  # the case that was lossy
+    lps = [TokenLogprob(t, -0.5, {t: -0.5}) for t in ids]
+
+    def job(chat: bool) -> Job:
+        return Job(chat, "id", MODEL, [[1]], SamplingParams(), False, top_logprobs=1)
+
+    content = serving._logprobs(job(True), lps, TextCursor())["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content).decode() == text
+    assert b"".join(bytes(c["top_logprobs"][0]["bytes"]) for c in content).decode() == text
+    offsets = serving._logprobs(job(False), lps, TextCursor())["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
+    first_emoji = [o for t, o in zip(ids, offsets) if o == 0]
+    assert 1 < len(first_emoji) < len(ids)  # the emoji's byte tokens all start at 0

@@ -177,3 +177,65 @@ def test_no_server_means_a_timeout_not_a_hang():
         with pytest.raises(RPCTimeoutError):
             c.health()
         assert time.monotonic() - t0 < 2
+
+
+def _raw_dealer(address: str, **opts) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    for name, value in opts.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect(address)
+    return sock
+
+
+def test_long_id_is_refused_not_echoed(rpc):
+    """A client-chosen id is echoed in every reply: a long one would multiply what a peer that
+    never reads makes the server hold. It is a 400 naming the field, without the id."""
+    sock = _raw_dealer(rpc.address)
+    try:
+        sock.send(msgpack.packb({"id": "x" * 100_000, "op": "health"}))
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["type"] == "error" and reply["error"]["param"] == "id"
+        assert reply["id"] is None and "256" in reply["error"]["message"]
+    finally:
+        sock.close()
+
+
+def test_oversized_frame_gets_a_413_naming_the_limit(rpc, client):
+    from engine.server.rpc_server import MAX_MESSAGE_BYTES
+
+    sock = _raw_dealer(rpc.address)
+    try:
+        frame = msgpack.packb({"id": 1, "op": "generate", "prompt": "x" * MAX_MESSAGE_BYTES})
+        sock.send(frame)
+        reply = msgpack.unpackb(sock.recv(), raw=False)  # before the fix: no reply at all
+        assert reply["type"] == "error" and reply["error"]["code"] == 413
+        assert str(MAX_MESSAGE_BYTES) in reply["error"]["message"]
+    finally:
+        sock.close()
+    with pytest.raises(RPCError) as info:  # our client refuses before sending
+        client.generate("x" * MAX_MESSAGE_BYTES)
+    assert info.value.code == 413
+    assert client.health()["healthy"]
+
+
+def test_peer_that_never_reads_is_aborted(llm):
+    """A peer that starts streams and never reads fills its bounded reply queue; then its calls
+    are aborted and their KV freed, instead of replies piling up in the server's memory."""
+    aborted = llm.metrics().finished.get("abort", 0)
+    with RPCThread(llm, send_hwm=20, send_buffer_bytes=4096) as server:
+        sock = _raw_dealer(server.address, RCVHWM=1, RCVBUF=4096)
+        try:
+            for i in range(8):
+                params = {"max_tokens": 600, "ignore_eos": True}
+                sock.send(
+                    msgpack.packb({"id": i, "op": "stream", "prompt": "Count:", "params": params})
+                )
+            deadline = time.monotonic() + 120
+            while llm.metrics().finished.get("abort", 0) < aborted + 8:
+                assert time.monotonic() < deadline, llm.metrics().finished
+                time.sleep(0.1)
+        finally:
+            sock.close()
+    wait_idle(llm)

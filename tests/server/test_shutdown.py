@@ -33,10 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _start(*args: str, engine_args: list[str] = ENGINE_ARGS) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "engine", *args, *ENGINE_ARGS, "--log-level", "warning"],
+        [sys.executable, "-m", "engine", *args, *engine_args, "--log-level", "warning"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
@@ -65,6 +65,7 @@ class _Stream(threading.Thread):
         body = {"prompt": "Count:", "max_tokens": self.max_tokens, "ignore_eos": True}
         try:
             with httpx.stream("POST", self.url, json=body | {"stream": True}, timeout=120) as r:
+                assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line == "data: [DONE]":
                         self.done = True
@@ -83,7 +84,7 @@ class _Stream(threading.Thread):
 def test_sigterm_drains_then_exits_zero():
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = _start("serve", "--port", str(port), "--drain-timeout", "4")
+    proc = _start("serve", "--port", str(port), "--drain-timeout", "8")
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -95,7 +96,7 @@ def test_sigterm_drains_then_exits_zero():
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        short = _Stream(base + "/v1/completions", 24)  # finishes within the drain
+        short = _Stream(base + "/v1/completions", 8)  # finishes within the drain
         long = _Stream(base + "/v1/completions", 900)  # outlives it: aborted
         short.start()
         long.start()
@@ -134,5 +135,104 @@ def test_rpc_sigterm_exits_zero():
             rest = list(stream)
             assert rest[-1].outputs[0].finish_reason == "abort"
         assert proc.wait(timeout=60) == 0
+    finally:
+        _stop(proc)
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert proc.poll() is None, _stop(proc)
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+def _running(base: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith("engine:num_requests_running{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no engine:num_requests_running in /metrics")
+
+
+class _LongPrompt(_Stream):
+    """A streamed completion whose prompt takes many prefill chunks."""
+
+    def run(self) -> None:
+        body = {"prompt": "word " * 6000, "max_tokens": 4, "stream": True}
+        try:
+            with httpx.stream("POST", self.url, json=body, timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                self.first.set()
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        self.finish_reason = chunk["choices"][0]["finish_reason"] or (
+                            self.finish_reason
+                        )
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            self.first.set()
+
+
+def test_drain_deadline_holds_with_a_long_prefill_waiting():
+    """SIGTERM while a short stream runs and a long prompt waits for its turn: the drain
+    deadline is kept (the prefill is chunked to fit what is left of it instead of starting a
+    step that would end long after), and the waiting request ends with finish_reason "abort",
+    not an error event. The bound checked is the contract (the deadline plus one small step
+    and the exit), with slack for a loaded CPU; before the fix the exit waited for a whole
+    prefill of 6,000 tokens (tens of seconds) and the stream got "the engine stopped"."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = ["--model", MODEL, "--max-model-len", "8192", "--kv-cache-memory-gb", "1"]
+    args += ["--max-num-seqs", "1"]  # the long prompt waits until the short stream is done
+    proc = _start("serve", "--port", str(port), "--drain-timeout", "5", engine_args=args)
+    try:
+        _wait_healthy(proc, base)
+        short = _Stream(base + "/v1/completions", 16)
+        short.start()
+        assert short.first.wait(60)
+        prefill = _LongPrompt(base + "/v1/completions", 4)
+        prefill.start()
+        time.sleep(0.5)  # it is queued behind the short stream
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        took = time.monotonic() - t0
+        short.join(10)
+        prefill.join(10)
+        assert short.error is None and short.done and short.finish_reason == "length"
+        assert prefill.error is None and prefill.finish_reason == "abort"
+        assert took < 5 + 10, f"a drain of 5 s took {took:.1f} s"
+    finally:
+        _stop(proc)
+
+
+def test_second_sigterm_exits_cleanly():
+    """A second SIGTERM aborts what is in flight at the end of the current step and exits 0:
+    no C++ abort (exit 134), and the client's stream ends with finish_reason "abort"."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _start("serve", "--port", str(port), "--drain-timeout", "60")
+    try:
+        _wait_healthy(proc, base)
+        stream = _Stream(base + "/v1/completions", 900)
+        stream.start()
+        assert stream.first.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        stream.join(10)
+        assert stream.error is None and stream.done and stream.finish_reason == "abort"
+        assert "terminate called" not in _stop(proc)
     finally:
         _stop(proc)
