@@ -26,6 +26,8 @@ class LLM:
         *,
         dtype: str = "auto",
         device: str = "auto",
+        quantization: str | None = None,
+        compile: bool | None = None,
         max_model_len: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -40,6 +42,8 @@ class LLM:
             model=model,
             dtype=dtype,
             device=device,
+            quantization=quantization,
+            compile=compile,
             max_model_len=max_model_len,
             seed=seed,
             cache=CacheConfig(

@@ -71,7 +71,13 @@ class LLMEngine:
         # One request must always fit in the cache by itself, or preemption could not help it.
         self.max_model_len = min(max_len, num_blocks * cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(model, self.cache, self.device)
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            self.device,
+            quantization=config.quantization,
+            compile=config.resolved_compile(),
+        )
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
