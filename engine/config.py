@@ -173,9 +173,10 @@ class EngineConfig:
     # embedding / LM head; activations stay in ``dtype`` (which must then be 16-bit).
     quantization: str | None = None
     # torch.compile the decoder layers' dense parts (dynamic shapes: a new batch size does not
-    # recompile). None: on for 16-bit dtypes on CPU, where per-op overhead dominates a step, off
-    # for float32 (the reference dtype of the exactness tests). False turns it off.
-    compile: bool | None = None
+    # recompile). Off by default: measured on the 2-core AVX512-BF16 machine it does not pay
+    # (profiling/bench_step.py --compile): the GEMMs and the eager attention dominate a step and
+    # dynamo's guard checks (~0.5 ms per compiled call under load) eat what fusion saves.
+    compile: bool = False
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -216,9 +217,7 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
     def resolved_compile(self) -> bool:
-        if self.compile is not None:
-            return self.compile
-        return self.resolved_device().type == "cpu" and self.resolved_dtype() != torch.float32
+        return self.compile
 
     def with_overrides(self, **kwargs: Any) -> EngineConfig:
         from dataclasses import replace

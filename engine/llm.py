@@ -27,7 +27,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         quantization: str | None = None,
-        compile: bool | None = None,
+        compile: bool = False,
         max_model_len: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,

@@ -15,9 +15,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--compile",
-        default=None,
+        default=False,
         action=argparse.BooleanOptionalAction,
-        help="torch.compile the layers (default: on for 16-bit dtypes on CPU)",
+        help="torch.compile the layers' dense parts (default off: see EngineConfig.compile)",
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
