@@ -106,16 +106,16 @@ class LlamaForCausalLM(torch.nn.Module):
 
     @torch.no_grad()
     def quantize_int8_(self) -> None:
-        """Weight-only int8 for every projection and the LM head. The embedding table stays:
-        a step reads only the rows of its tokens, not the whole table."""
+        """Weight-only int8 for every projection and the LM head's GEMM. The 16-bit LM head stays
+        in memory (it is the embedding table when tied): each step gathers from it only the rows
+        of the top candidates, recomputed in float32 (see compute_logits), which recovers most of
+        what int8 costs in top-1 agreement for a few KB read per token."""
         if self.dtype == torch.float32:
             raise ValueError("quantization int8 needs a 16-bit model dtype, got float32")
         for layer in self.layers:
             for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 lin.quantize_int8_()
         self.lm_qweight, self.lm_scales = quantize_int8(self.lm_head, self.dtype)
-        if not self.cfg.tie_word_embeddings:
-            self.lm_head = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D]; each layer gets its views."""
@@ -149,10 +149,7 @@ class LlamaForCausalLM(torch.nn.Module):
             return logits
         k = min(LOGIT_REFINE_TOPK, logits.shape[-1])
         idx = logits.topk(k, dim=-1).indices  # [S, k]
-        if self.lm_qweight is not None:
-            rows = self.lm_qweight[idx].float() * self.lm_scales[idx].float()[..., None]
-        else:
-            rows = self.lm_head[idx].float()  # [S, k, H]
+        rows = self.lm_head[idx].float()  # [S, k, H]
         exact = torch.bmm(rows, hidden.float()[:, :, None])[..., 0]
         return logits.scatter_(1, idx, exact)
 
