@@ -6,12 +6,32 @@ and the limit, so a bad setting fails where it is made, not deep inside a forwar
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+QUANTIZATIONS = ("int8",)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): there bf16 GEMMs run
+    several times faster than fp32 and halve the bytes every decode step streams. Elsewhere bf16
+    is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -183,8 +203,18 @@ class EngineConfig:
     """Everything one engine instance needs. ``model``: "default" or a GGUF file or HF dir."""
 
     model: str = "default"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, float32 on other CPUs. Norm
+    # statistics, rotary, softmax, logits and sampling stay in float32 whatever the dtype.
+    dtype: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
+    # "int8": weight-only int8 (per-output-channel scales) for the linear layers and the
+    # embedding / LM head; activations stay in ``dtype`` (which must then be 16-bit).
+    quantization: str | None = None
+    # torch.compile the decoder layers' dense parts (dynamic shapes: a new batch size does not
+    # recompile). Off by default: measured on the 2-core AVX512-BF16 machine it does not pay
+    # (profiling/bench_step.py --compile): the GEMMs and the eager attention dominate a step and
+    # dynamo's guard checks (~0.5 ms per compiled call under load) eat what fusion saves.
+    compile: bool = False
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -207,6 +237,16 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
+            )
+        if self.quantization == "int8" and self.dtype == "float32":
+            raise ValueError(
+                "quantization int8 needs a 16-bit dtype (bfloat16 or float16; auto picks one "
+                "where the CPU has bf16), got dtype float32"
+            )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -215,8 +255,14 @@ class EngineConfig:
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+            if self.resolved_device().type == "cuda" or cpu_has_fast_bf16():
+                return torch.bfloat16
+            # int8 weights need 16-bit activations (bf16 keeps float32's range).
+            return torch.bfloat16 if self.quantization else torch.float32
         return getattr(torch, self.dtype)
+
+    def resolved_compile(self) -> bool:
+        return self.compile
 
     def with_overrides(self, **kwargs: Any) -> EngineConfig:
         from dataclasses import replace

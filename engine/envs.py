@@ -21,3 +21,18 @@ def triton_interpret() -> bool:
 def api_key() -> str | None:
     """ENGINE_API_KEY: bearer token the HTTP server requires when --api-key is not given."""
     return os.environ.get("ENGINE_API_KEY") or None
+
+
+def configure_inductor_cache() -> str:
+    """Where torch.compile keeps its generated code between runs. TORCHINDUCTOR_CACHE_DIR if set,
+    else ENGINE_CACHE_DIR/inductor, else ~/.cache/engine/inductor (inductor's own default lives
+    under /tmp, which does not survive a reboot). Set in the environment so that inductor's
+    compile workers see it too. Returns the directory."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not path:
+        base = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
+            os.path.expanduser("~"), ".cache", "engine"
+        )
+        path = os.path.join(base, "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path

@@ -26,6 +26,8 @@ class LLM:
         *,
         dtype: str = "auto",
         device: str = "auto",
+        quantization: str | None = None,
+        compile: bool = False,
         max_model_len: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -41,6 +43,8 @@ class LLM:
             model=model,
             dtype=dtype,
             device=device,
+            quantization=quantization,
+            compile=compile,
             max_model_len=max_model_len,
             seed=seed,
             cache=CacheConfig(

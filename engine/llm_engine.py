@@ -96,7 +96,13 @@ class LLMEngine:
                 self.max_model_len,
             )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.connector)
-        self.runner = ModelRunner(model, self.cache, self.device)
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            self.device,
+            quantization=config.quantization,
+            compile=config.resolved_compile(),
+        )
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)

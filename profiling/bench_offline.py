@@ -28,12 +28,21 @@ from profiling.workload import chat_prompts  # noqa: E402
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    """Bytes of weights one decode step streams: every layer's weights (int8 ones where
+    quantized) and the LM head's GEMM weight. The embedding table is not streamed (a step reads
+    only its tokens' rows) unless it is the LM head (tied)."""
+
+    def size(t) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    total = sum(size(p) for p in model.layers.parameters())
+    for layer in model.layers:
+        for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            total += size(lin.qweight) + size(lin.scales)
+    total += size(model.norm.weight)
+    if model.lm_qweight is not None:
+        return total + size(model.lm_qweight) + size(model.lm_scales)
+    return total + size(model.lm_head)
 
 
 def ceilings() -> dict:
@@ -123,8 +132,12 @@ def main() -> None:
     ap.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16"],
+        choices=["auto", "float32", "bfloat16"],
         help="engine dtype (transformers always runs float32, the reference)",
+    )
+    ap.add_argument("--quantization", default=None, choices=["int8"])
+    ap.add_argument(
+        "--batch1-only", action="store_true", help="only batch-1 decode against the GEMV floor"
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -134,6 +147,7 @@ def main() -> None:
         model=args.model,
         dtype=args.dtype,
         device="cpu",
+        quantization=args.quantization,
         cache=CacheConfig(kv_cache_memory_gb=6.0),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
@@ -146,12 +160,17 @@ def main() -> None:
 
     # Warm up, then measure.
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
-    eng = bench_engine(llm, prompts, args.output_len)
+    if args.batch1_only:
+        args.skip_hf = True
+        eng = {"tok_s": float("nan"), "seconds": float("nan")}
+    else:
+        eng = bench_engine(llm, prompts, args.output_len)
     b1 = bench_engine_batch1_decode(llm, prompts[0], args.output_len)
     ceil = ceilings()
     res = {"engine": eng, "engine_batch1": b1, "ceilings": ceil, "args": vars(args)}
 
-    rows = [(f"engine (continuous batching, {args.dtype})", eng["tok_s"], eng["seconds"])]
+    label = args.dtype + (f", {args.quantization}" if args.quantization else "")
+    rows = [(f"engine (continuous batching, {label})", eng["tok_s"], eng["seconds"])]
     if not args.skip_hf:
         hf = load_hf(llm.engine.model_path)
         pad = llm.tokenizer.eos_token_ids[0]
@@ -185,7 +204,7 @@ def main() -> None:
         f"engine batch-1 decode: {b1['decode_tok_s']:.1f} tok/s, weights "
         f"{b1['weight_bytes'] / 1e6:.0f} MB -> {b1['weight_gb_s']:.2f} GB/s achieved"
     )
-    tag = "torch.float32" if args.dtype == "float32" else "torch.bfloat16"
+    tag = "torch.float32" if llm.engine.dtype == torch.float32 else "torch.bfloat16"
     gemv = ceil[f"gemv_gb_s_{tag}"]
     print(
         f"machine ceilings now: GEMV {ceil['gemv_gb_s_torch.float32']:.1f} GB/s fp32, "

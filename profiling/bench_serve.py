@@ -354,6 +354,10 @@ def engine_argv(args) -> list[str]:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    if args.quantization:
+        out += ["--quantization", args.quantization]
+    if args.compile:
+        out.append("--compile")
     return out
 
 

@@ -17,6 +17,7 @@ from engine.kernels._launch import (
     num_sms,
     pad_dim,
 )
+from engine.kernels.paged_gather import gather_blocks
 from engine.kernels.paged_tile import paged_tile_step
 
 LOG2E = 1.4426950408889634
@@ -80,7 +81,8 @@ def decode_attention_ref(
             chunks.append((c, min(step, n - c), live))
         s_all = torch.empty(batch, n * rows_per_block, num_heads, dtype=compute, device=q.device)
         for c, m, live in chunks:
-            kc = k_cache[blocks[:live, c : c + m]].to(compute)  # [live, m, bs, Hkv, D]
+            # [live, m, bs, Hkv, D]
+            kc = gather_blocks(k_cache, blocks[:live, c : c + m]).to(compute)
             s_all[:live, c * rows_per_block : (c + m) * rows_per_block] = torch.bmm(
                 kc.view(live, m * rows_per_block, head_dim), qf[:live]
             )
@@ -94,7 +96,7 @@ def decode_attention_ref(
             batch, num_heads, num_kv_heads * head_dim, dtype=compute, device=q.device
         )
         for c, m, live in chunks:
-            vc = v_cache[blocks[:live, c : c + m]].to(compute)
+            vc = gather_blocks(v_cache, blocks[:live, c : c + m]).to(compute)
             cols = probs[:live, :, c * block_size : (c + m) * block_size]
             o_all[:live].baddbmm_(cols, vc.view(live, m * block_size, num_kv_heads * head_dim))
         o_all = o_all.view(batch, num_kv_heads, group, num_kv_heads, head_dim)
@@ -102,8 +104,8 @@ def decode_attention_ref(
         o = o.permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim)
         out.index_copy_(0, order, o.to(out.dtype))
         return out
-    k = k_cache[blocks].to(compute)  # [B, n, bs, Hkv, D], contiguous
-    v = v_cache[blocks].to(compute)
+    k = gather_blocks(k_cache, blocks).to(compute)  # [B, n, bs, Hkv, D], contiguous
+    v = gather_blocks(v_cache, blocks).to(compute)
     k = k.view(batch, length, num_kv_heads, head_dim)
     v = v.view(batch, length, num_kv_heads, head_dim)
     qg = q.view(batch, num_kv_heads, group, head_dim).to(compute)

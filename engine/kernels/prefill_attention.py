@@ -25,6 +25,7 @@ from engine.kernels._launch import (
     dot_precision,
     pad_dim,
 )
+from engine.kernels.paged_gather import gather_blocks
 from engine.kernels.paged_tile import paged_tile_step
 
 LOG2E = 1.4426950408889634
@@ -37,8 +38,8 @@ def gather_kv(
     block_size = k_cache.shape[1]
     n = -(-length // block_size)
     blocks = block_row[:n].long()
-    k = k_cache[blocks].reshape(n * block_size, *k_cache.shape[2:])[:length]
-    v = v_cache[blocks].reshape(n * block_size, *v_cache.shape[2:])[:length]
+    k = gather_blocks(k_cache, blocks).reshape(n * block_size, *k_cache.shape[2:])[:length]
+    v = gather_blocks(v_cache, blocks).reshape(n * block_size, *v_cache.shape[2:])[:length]
     return k, v
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.layers.quant import int8_linear, quantize_int8
+
 
 class Linear(torch.nn.Module):
-    """y = x W^T (+ b). Fused projections (qkv, gate_up) are one Linear over stacked weights."""
+    """y = x W^T (+ b). Fused projections (qkv, gate_up) are one Linear over stacked weights.
+    ``quantize_int8_()`` swaps the float weight for int8 and per-row scales."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device
@@ -21,6 +24,16 @@ class Linear(torch.nn.Module):
             if bias
             else None
         )
+        self.qweight: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def quantize_int8_(self) -> None:
+        qw = quantize_int8(self.weight, self.weight.dtype)
+        self.qweight, self.scales = qw.qweight, qw.scales
+        self.weight = None  # the float copy is gone: int8 halves the bytes of a 16-bit weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return int8_linear(x, self.qweight, self.scales, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -15,10 +15,15 @@ from engine.layers.attention import PagedAttention
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
+from engine.layers.quant import int8_linear, quantize_int8
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
 LayerHook = Callable[[int], None]
+
+# 16-bit logits carry ~3 significant digits (a logit of 20 is off by up to 0.06). The candidates
+# that sampling can realistically pick are recomputed in float32 from the same weights.
+LOGIT_REFINE_TOPK = 64
 
 
 class DecoderLayer(torch.nn.Module):
@@ -43,18 +48,29 @@ class DecoderLayer(torch.nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        q, k, v = self.pre_attention(positions, hidden)
+        o = self.attn(q, k, v, meta)
+        return self.post_attention(hidden, o)
+
+    # The dense parts around the attention: the model runner may torch.compile these two (the
+    # attention itself has data-dependent shapes and stays eager).
+    def pre_attention(
+        self, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         t = hidden.shape[0]
         x = self.input_layernorm(hidden)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v, meta)
-        hidden = hidden + self.o_proj(o.view(t, self.q_size))
+        return q, k, v
+
+    def post_attention(self, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.o_proj(o.reshape(hidden.shape[0], self.q_size))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -70,7 +86,6 @@ class LlamaForCausalLM(torch.nn.Module):
             cfg.max_position_embeddings,
             cfg.rope_theta,
             cfg.rope_scaling,
-            torch.float32 if dtype == torch.float32 else dtype,
             device,
         )
         self.rotary = rotary
@@ -85,6 +100,22 @@ class LlamaForCausalLM(torch.nn.Module):
                 torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), False
             )
         )
+        self.dtype = dtype
+        self.lm_qweight: torch.Tensor | None = None  # int8 LM head (quantize_int8_)
+        self.lm_scales: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def quantize_int8_(self) -> None:
+        """Weight-only int8 for every projection and the LM head's GEMM. The 16-bit LM head stays
+        in memory (it is the embedding table when tied): each step gathers from it only the rows
+        of the top candidates, recomputed in float32 (see compute_logits), which recovers most of
+        what int8 costs in top-1 agreement for a few KB read per token."""
+        if self.dtype == torch.float32:
+            raise ValueError("quantization int8 needs a 16-bit model dtype, got float32")
+        for layer in self.layers:
+            for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.quantize_int8_()
+        self.lm_qweight, self.lm_scales = quantize_int8(self.lm_head, self.dtype)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D]; each layer gets its views."""
@@ -108,7 +139,19 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head)
+        """float32 logits [S, V]. For 16-bit models the GEMM runs in 16 bits and the top
+        LOGIT_REFINE_TOPK logits of each row are recomputed in float32."""
+        if self.lm_qweight is not None:
+            logits = int8_linear(hidden, self.lm_qweight, self.lm_scales, None).float()
+        else:
+            logits = torch.nn.functional.linear(hidden, self.lm_head).float()
+        if self.dtype == torch.float32 or hidden.shape[0] == 0:
+            return logits
+        k = min(LOGIT_REFINE_TOPK, logits.shape[-1])
+        idx = logits.topk(k, dim=-1).indices  # [S, k]
+        rows = self.lm_head[idx].float()  # [S, k, H]
+        exact = torch.bmm(rows, hidden.float()[:, :, None])[..., 0]
+        return logits.scatter_(1, idx, exact)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "") -> None:

@@ -1,7 +1,8 @@
 """Rotary position embedding (rotate-half convention) with default, linear and llama3 scaling.
 
-cos/sin are tabulated once for every position up to max_position and indexed by each token's
-absolute position, so prefill chunks and decodes of any offsets share one path.
+cos/sin are tabulated once (float32) for every position up to max_position and indexed by each
+token's absolute position, so prefill chunks and decodes of any offsets share one path. The rotation
+runs in float32 whatever the model dtype: positions in the thousands need the bits.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ class RotaryEmbedding(torch.nn.Module):
         max_position: int,
         theta: float,
         scaling: RopeScaling,
-        dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         super().__init__()
@@ -48,8 +48,8 @@ class RotaryEmbedding(torch.nn.Module):
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -57,7 +57,10 @@ class RotaryEmbedding(torch.nn.Module):
         """positions [T]; q [T, Hq, D]; k [T, Hkv, D]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        qf, kf = q.float(), k.float()
+        q_out = qf * cos + _rotate_half(qf) * sin
+        k_out = kf * cos + _rotate_half(kf) * sin
+        return q_out.to(q.dtype), k_out.to(k.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help='"default" (SmolLM2-135M), a GGUF or HF dir')
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--quantization", default=None, choices=["int8"], help="weight-only int8 (16-bit dtypes)"
+    )
+    p.add_argument(
+        "--compile",
+        default=False,
+        action=argparse.BooleanOptionalAction,
+        help="torch.compile the layers' dense parts (default off: see EngineConfig.compile)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
@@ -45,6 +54,8 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
+        compile=args.compile,
         max_model_len=args.max_model_len,
         cache=CacheConfig(
             block_size=args.block_size,

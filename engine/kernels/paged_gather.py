@@ -1,0 +1,15 @@
+"""Gathering whole blocks of a paged cache in torch, for the CPU reference paths.
+
+``index_select`` on the flattened block ids, not advanced indexing: on CPU advanced indexing copies
+element by element (about 1.5 GB/s here) where index_select copies rows (5-7 GB/s).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, ...]; blocks [*S] integer ids -> [*S, ...] (a new contiguous tensor)."""
+    flat = cache.index_select(0, blocks.reshape(-1).long())
+    return flat.view(*blocks.shape, *cache.shape[1:])

@@ -1,0 +1,50 @@
+"""Weight-only int8: per-output-channel symmetric scales from the float weights, and the matmul.
+
+Decode at small batch streams every weight once per step, so its speed is bytes of weights per
+step: int8 halves bf16's. ``torch._weight_int8pack_mm`` reads the int8 weight directly (a GEMV-
+shaped kernel: fast for a few rows, slow for many); for more rows (prefill) the weight is
+dequantized once per call and the GEMM runs in the activation dtype, where FLOPs dominate anyway.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+# Rows up to which int8pack_mm beats dequantize + 16-bit GEMM (measured on AVX512-BF16).
+INT8_GEMV_MAX_ROWS = 8
+
+
+class QuantizedWeight(NamedTuple):
+    qweight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out], the activation dtype: w ~= qweight * scales[:, None]
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+    """Symmetric per-row int8 of a [out, in] float weight; scales in ``dtype``."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1).clamp(min=1e-8)
+    scales = (amax / 127.0).to(dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(q.contiguous(), scales)
+
+
+def dequantize_int8(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    return qw.qweight.to(dtype) * qw.scales.to(dtype)[:, None]
+
+
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """y = x (qweight * scales)^T + bias, x [..., in] in 16-bit."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.shape[0] <= INT8_GEMV_MAX_ROWS:
+        y = torch._weight_int8pack_mm(x2.contiguous(), qweight, scales)
+    else:
+        y = F.linear(x2, qweight.to(x.dtype) * scales[:, None])
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], qweight.shape[0])

@@ -1,0 +1,399 @@
+"""Our server against its peers, one run, same load: `engine serve`, llama.cpp's `llama-server`
+(when a binary is given) and HF transformers, with the machine's ceilings measured in the same run.
+
+    .venv/bin/python profiling/bench_peer.py --llama-server /path/to/llama-server
+    .venv/bin/python profiling/bench_peer.py --workloads chat --engine-args "--dtype float32"
+
+Workloads (streamed /v1/completions over HTTP, chat-formatted prompts sent as token ids, fixed
+output length with ignore_eos; warm-up requests first):
+
+- ``chat``: 48 completions of 60-400 words, 96 output tokens each, 16 at a time.
+- ``prefix``: 64 completions sharing a 1,024-token system prompt, then 50-200 words of their own,
+  96 output tokens each, 16 at a time (prefix caches matter).
+- ``batch1``: one request at a time, 128 output tokens: batch-1 decode speed (TPOT).
+
+llama-server runs with the model's GGUF, 16 slots (``-np``), continuous batching and the same
+thread count; transformers runs float32 (its reference dtype) `generate` on padded batches of 16
+(static batching; TTFT = until its batch's first token). Ratios are against llama-server when it
+ran. Building llama-server: see the README ("Comparing with llama.cpp").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from profiling.bench_offline import ceilings  # noqa: E402
+from profiling.bench_serve import load_tokenizer  # noqa: E402
+from profiling.workload import WORDS  # noqa: E402
+
+CONCURRENCY = 16
+
+
+# -- workloads ------------------------------------------------------------------------------------
+
+
+def chat_ids(tok, system: str | None, user: str) -> list[int]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user}
+    ]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def workload(name: str, tok, seed: int, scale: float) -> tuple[list[list[int]], int, int]:
+    """(prompts, output tokens each, concurrency); ``scale`` shrinks the request count."""
+    rng = random.Random(seed)
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    if name == "chat":
+        n = max(2, round(48 * scale))
+        return (
+            [chat_ids(tok, None, f"{i}: " + words(rng.randint(60, 400))) for i in range(n)],
+            96,
+            16,
+        )
+    if name == "prefix":
+        system = tok.decode(tok.encode(words(2048), add_special_tokens=False)[:1024])
+        n = max(2, round(64 * scale))
+        prompts = [chat_ids(tok, system, f"{i}: " + words(rng.randint(50, 200))) for i in range(n)]
+        return prompts, 96, 16
+    if name == "batch1":
+        n = max(2, round(4 * scale))
+        return [chat_ids(tok, None, f"{i}: " + words(100)) for i in range(n)], 128, 1
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+# -- one HTTP load --------------------------------------------------------------------------------
+
+
+async def one_request(client, model: str, prompt: list[int], out_len: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": out_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft, chunks, usage = None, 0, None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"].get("completion_tokens")
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    e2e = time.perf_counter() - t0
+    out = usage or chunks
+    return {"ttft": ttft or e2e, "e2e": e2e, "out": out}
+
+
+async def http_load(url: str, model: str, prompts, out_len: int, concurrency: int) -> dict:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
+        await one_request(client, model, prompts[0][:64], 4)  # warm-up, outside the figures
+        sem = asyncio.Semaphore(concurrency)
+
+        async def run(p):
+            async with sem:
+                return await one_request(client, model, p, out_len)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(run(p) for p in prompts))
+        return summarize(results, time.perf_counter() - t0)
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    ttft = np.array([r["ttft"] for r in results])
+    tpot = np.array([(r["e2e"] - r["ttft"]) / max(1, r["out"] - 1) for r in results])
+    out = sum(r["out"] for r in results)
+    return {
+        "duration_s": duration,
+        "output_tokens": out,
+        "output_tok_s": out / duration,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "tpot_p50_ms": float(np.percentile(tpot, 50) * 1e3),
+        "tpot_p90_ms": float(np.percentile(tpot, 90) * 1e3),
+    }
+
+
+# -- servers --------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process started for the run and killed (its whole group) when done."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict, log: str) -> None:
+        self.name, self.cmd, self.port = name, cmd, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")  # noqa: SIM115 (closed in stop)
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            self._wait_healthy(600)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.perf_counter() - t0
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}; log {self.log.name}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} not healthy in {timeout:.0f} s; log {self.log.name}")
+
+    def model_id(self) -> str:
+        return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def thread_env(threads: int) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def start_engine(args, gguf: str) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "engine", "serve", "--model", args.model, "--port", str(port)]
+    cmd += ["--log-level", "warning", "--max-num-seqs", "64", "--kv-cache-memory-gb", "2"]
+    cmd += shlex.split(args.engine_args)
+    return Server("engine", cmd, port, thread_env(args.threads), args.log_prefix + "engine.log")
+
+
+def start_llama(args, gguf: str) -> Server:
+    port = free_port()
+    cmd = [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-np", str(CONCURRENCY), "-c", str(CONCURRENCY * 2048), "-t", str(args.threads)]
+    cmd += ["-tb", str(args.threads), "--cont-batching", "--no-webui"]
+    cmd += shlex.split(args.llama_args)
+    return Server(
+        "llama-server", cmd, port, thread_env(args.threads), args.log_prefix + "llama.log"
+    )
+
+
+# -- transformers ---------------------------------------------------------------------------------
+
+
+def hf_load(gguf: str, threads: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    d, f = os.path.split(gguf)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+def hf_load_run(model, prompts, out_len: int, pad_id: int, batch: int) -> dict:
+    """Static batches of ``batch`` (left-padded), one after another, all requests arriving at
+    the start. A request's TTFT is the time its batch waited plus the batch's prefill (a separate
+    1-token generate, kept out of the clock); its e2e is when its batch ended."""
+    import torch
+
+    results, clock = [], 0.0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            group = prompts[i : i + batch]
+            width = max(len(p) for p in group)
+            ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for r, p in enumerate(group):
+                ids[r, width - len(p) :] = torch.tensor(p)
+                mask[r, width - len(p) :] = 1
+            kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id)
+            s = time.perf_counter()
+            model.generate(max_new_tokens=1, **kw)
+            prefill = time.perf_counter() - s
+            s = time.perf_counter()
+            model.generate(max_new_tokens=out_len, min_new_tokens=out_len, **kw)
+            full = time.perf_counter() - s
+            results += [
+                {"ttft": clock + prefill, "e2e": clock + full, "out": out_len} for _ in group
+            ]
+            clock += full
+    return summarize(results, clock)
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def gguf_file(model: str) -> str:
+    from engine.model_loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        path = os.path.join(path, next(f for f in sorted(os.listdir(path)) if f.endswith(".gguf")))
+    if not path.endswith(".gguf"):
+        raise SystemExit(f"bench_peer needs a GGUF model (llama-server loads only those): {path}")
+    return path
+
+
+def param_count(gguf: str) -> int:
+    from gguf import GGUFReader
+
+    return sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
+
+
+def engine_bytes_per_param(engine_args: str) -> float:
+    a = shlex.split(engine_args)
+    if "--quantization" in a:
+        return 1.0
+    if "--dtype" in a and a[a.index("--dtype") + 1] == "float32":
+        return 4.0
+    from engine.config import EngineConfig
+
+    return 4.0 if EngineConfig().resolved_dtype().itemsize == 4 else 2.0
+
+
+def fmt_row(name: str, r: dict, base: dict | None) -> str:
+    ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}x" if base else "-"
+    tt = f"{r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x" if base else "-"
+    return (
+        f"| {name} | {r['output_tok_s']:.1f} | {r['ttft_p50_s']:.2f} s | {r['ttft_p90_s']:.2f} s "
+        f"| {r['tpot_p50_ms']:.0f} ms | {r['tpot_p90_ms']:.0f} ms | {ratio} | {tt} |"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="default", help="a GGUF (default: SmolLM2-135M's)")
+    ap.add_argument("--llama-server", default=None, help="path to a llama-server binary")
+    ap.add_argument("--llama-args", default="", help="extra llama-server arguments")
+    ap.add_argument("--engine-args", default="", help="extra `engine serve` arguments")
+    ap.add_argument("--workloads", nargs="+", default=["chat", "prefix", "batch1"])
+    ap.add_argument("--threads", type=int, default=2, help="threads of every system")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
+    ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--log-prefix", default="/tmp/bench_peer_", help="server logs go here")
+    args = ap.parse_args()
+
+    gguf = gguf_file(args.model)
+    tok = load_tokenizer(args.model)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    res: dict = {"args": vars(args), "workloads": {}}
+    print(f"model {gguf}\nthreads {args.threads} per system; engine args: {args.engine_args!r}")
+    servers: dict[str, Server] = {}
+    try:
+        servers["engine"] = start_engine(args, gguf)
+        print(f"engine serve healthy after {servers['engine'].start_s:.1f} s")
+        if args.llama_server:
+            servers["llama-server"] = start_llama(args, gguf)
+            print(f"llama-server healthy after {servers['llama-server'].start_s:.1f} s")
+        hf = None if args.skip_hf else hf_load(gguf, args.threads)
+        for w in args.workloads:
+            prompts, out_len, conc = workload(w, tok, args.seed, args.scale)
+            rows = {}
+            # llama-server first: on a shared machine, alternating keeps drifts from favouring one
+            for name in ("llama-server", "engine"):
+                if name in servers:
+                    s = servers[name]
+                    rows[name] = asyncio.run(http_load(s.url, s.model_id(), prompts, out_len, conc))
+            if hf is not None:
+                pad = tok.eos_token_ids[0]
+                rows["transformers fp32"] = hf_load_run(hf, prompts, out_len, pad, CONCURRENCY)
+            res["workloads"][w] = rows
+            n_in = sum(len(p) for p in prompts)
+            print(
+                f"\n{w}: {len(prompts)} requests, {n_in} prompt tokens, {out_len} output tokens "
+                f"each, concurrency {conc}"
+            )
+            print(
+                "| server | output tok/s | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 "
+                "| throughput vs llama-server | TTFT p50 vs llama-server |"
+            )
+            print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+            base = rows.get("llama-server")
+            for name, r in rows.items():
+                print(fmt_row(name, r, base))
+    finally:
+        for s in servers.values():
+            s.stop()
+    ceil = ceilings()
+    res["ceilings"] = ceil
+    params = param_count(gguf)
+    bpp = engine_bytes_per_param(args.engine_args)
+    gemv = ceil["gemv_gb_s_torch.bfloat16" if bpp <= 2 else "gemv_gb_s_torch.float32"]
+    floor = gemv * 1e9 / (params * bpp)
+    res["batch1_floor_tok_s"] = floor
+    print(
+        f"\nmachine now: GEMV {ceil['gemv_gb_s_torch.float32']:.1f} GB/s fp32, "
+        f"{ceil['gemv_gb_s_torch.bfloat16']:.1f} GB/s bf16; GEMM "
+        f"{ceil['gemm_gflop_s_torch.float32']:.0f} GFLOP/s fp32, "
+        f"{ceil['gemm_gflop_s_torch.bfloat16']:.0f} GFLOP/s bf16"
+    )
+    print(
+        f"batch-1 decode floor of the engine's weights ({params / 1e6:.0f} M params x {bpp:g} "
+        f"bytes at the GEMV bandwidth): {floor:.1f} tok/s"
+    )
+    b1 = res["workloads"].get("batch1", {})
+    for name, r in b1.items():
+        print(f"batch-1 decode {name}: {1e3 / r['tpot_p50_ms']:.1f} tok/s")
+    if "chat" in res["workloads"] and "llama-server" in res["workloads"]["chat"]:
+        c = res["workloads"]["chat"]
+        e, lcpp = c["engine"], c["llama-server"]
+        print(
+            f"targets (chat): throughput {e['output_tok_s'] / lcpp['output_tok_s']:.2f}x "
+            f"(>= 2x), TTFT p50 {e['ttft_p50_s'] / lcpp['ttft_p50_s']:.2f}x (<= 0.5x)"
+        )
+    if "engine" in b1 and "llama-server" in b1:
+        speed = b1["llama-server"]["tpot_p50_ms"] / b1["engine"]["tpot_p50_ms"]
+        print(f"target (batch 1): decode {speed:.2f}x llama-server's (>= 1x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""One decode step, taken apart: forward time, the attention share, and the top ops.
+
+    .venv/bin/python profiling/bench_step.py                       # batch 64 x 512, batch 1 x 4096
+    .venv/bin/python profiling/bench_step.py --cases 64x512 16x4096 --dtype bfloat16 --profile
+
+Each case is BATCHxCONTEXT: BATCH sequences decode one token each over CONTEXT cached tokens
+(random KV in the paged cache; timing does not depend on the values). "attention" is the paged
+decode attention of every layer timed alone on the same inputs; its share is of the forward.
+``--profile`` adds torch.profiler's top ops by self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine import kernels  # noqa: E402
+from engine.config import CacheConfig, EngineConfig  # noqa: E402
+from engine.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+
+
+def decode_inputs(batch: int, context: int, block_size: int, num_blocks: int, vocab: int):
+    per_seq = -(-context // block_size)
+    if batch * per_seq > num_blocks:
+        raise SystemExit(f"{batch}x{context} needs {batch * per_seq} blocks, have {num_blocks}")
+    tables = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    pos = seq_lens.long() - 1
+    slots = tables[torch.arange(batch), pos // block_size].long() * block_size + pos % block_size
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=batch,
+        decode_block_tables=tables,
+        decode_seq_lens=seq_lens,
+        decode_max_seq_len=context,
+    )
+    ids = torch.randint(0, vocab, (batch,))
+    return ids, pos, meta
+
+
+def timed(fn, reps: int) -> float:
+    """Best of ``reps`` calls, in process CPU seconds when --cpu-time (robust to other processes
+    taking the cores; use it with one thread), else wall seconds."""
+    clock = time.process_time if CPU_TIME else time.perf_counter
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+    return best
+
+
+CPU_TIME = False
+
+
+@torch.inference_mode()
+def run_case(engine: LLMEngine, batch: int, context: int, reps: int, profile: bool) -> dict:
+    model, cfg = engine.model, engine.model_config
+    ids, pos, meta = decode_inputs(
+        batch, context, engine.cache.block_size, engine.cache.num_blocks, cfg.vocab_size
+    )
+    runner = engine.runner
+
+    def step():
+        hidden = runner.forward(ids, pos, meta)
+        return model.compute_logits(hidden).float()
+
+    step_s = timed(step, reps)
+    q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=engine.dtype)
+    layer = model.layers[0].attn
+    out = torch.empty_like(q)
+
+    def attention():
+        for _ in range(cfg.num_layers):
+            kernels.decode_attention(
+                q,
+                layer.k_cache,
+                layer.v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                layer.scale,
+                out=out,
+                max_seq_len=context,
+            )
+
+    attn_s = timed(attention, reps)
+    res = {"batch": batch, "context": context, "step_ms": step_s * 1e3, "attn_ms": attn_s * 1e3}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
+        with prof(activities=[ProfilerActivity.CPU]) as p:
+            step()
+        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--cases", nargs="+", default=["64x512", "1x4096"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cpu-time", action="store_true", help="time in process CPU seconds")
+    args = ap.parse_args()
+    global CPU_TIME
+    CPU_TIME = args.cpu_time
+    extra = {}
+    if args.quantization:
+        extra["quantization"] = args.quantization
+    if args.compile is not None:
+        extra["compile"] = args.compile
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device="cpu",
+            cache=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
+            **extra,
+        )
+    )
+    print(
+        f"torch threads {torch.get_num_threads()}, dtype {engine.dtype}, "
+        f"quantization {args.quantization}, compile {engine.runner.compiled}, "
+        f"{'process CPU' if args.cpu_time else 'wall'} time, best of {args.reps}"
+    )
+    head = ("batch x context", "step ms", "attn ms", "attn share", "tok/s")
+    print(" ".join(f"{h:>{w}s}" for h, w in zip(head, (16, 9, 9, 11, 8))))
+    for case in args.cases:
+        b, c = (int(x) for x in case.split("x"))
+        r = run_case(engine, b, c, args.reps, args.profile)
+        print(
+            f"{case:>16s} {r['step_ms']:9.1f} {r['attn_ms']:9.1f} "
+            f"{r['attn_ms'] / r['step_ms']:11.1%} {b / r['step_ms'] * 1e3:8.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""bfloat16, weight-only int8 and the compiled layers against the float32 model (the reference
+dtype, itself checked against transformers): teacher-forced top-1 agreement over a few hundred
+positions of real text, and the greedy chat answers still right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+# Real prose (the opening of the Wikipedia article "Computer", CC BY-SA), a few hundred tokens.
+TEXT = (
+    "A computer is a machine that can be programmed to automatically carry out sequences of "
+    "arithmetic or logical operations (computation). Modern digital electronic computers can "
+    "perform generic sets of operations known as programs, which enable computers to perform a "
+    "wide range of tasks. The term computer system may refer to a nominally complete computer "
+    "that includes the hardware, operating system, software, and peripheral equipment needed and "
+    "used for full operation; or to a group of computers that are linked and function together, "
+    "such as a computer network or computer cluster. A broad range of industrial and consumer "
+    "products use computers as control systems, including simple special-purpose devices like "
+    "microwave ovens and remote controls, and factory devices like industrial robots. Computers "
+    "are at the core of general-purpose devices such as personal computers and mobile devices "
+    "such as smartphones. Computers power the Internet, which links billions of computers and "
+    "users. Early computers were meant to be used only for calculations. Simple manual "
+    "instruments like the abacus have aided people in doing calculations since ancient times. "
+    "Early in the Industrial Revolution, some mechanical devices were built to automate long, "
+    "tedious tasks, such as guiding patterns for looms. More sophisticated electrical machines "
+    "did specialized analog calculations in the early 20th century. The first digital electronic "
+    "calculating machines were developed during World War II, both electromechanical and using "
+    "thermionic valves. The first semiconductor transistors in the late 1940s were followed by "
+    "the silicon-based MOSFET (MOS transistor) and monolithic integrated circuit chip "
+    "technologies in the late 1950s, leading to the microprocessor and the microcomputer "
+    "revolution in the 1970s. The speed, power, and versatility of computers have been "
+    "increasing dramatically ever since then, with transistor counts increasing at a rapid pace."
+)
+
+QUESTIONS = [
+    ("What is the capital of France?", "Paris"),
+    ("What is the capital of Germany?", "Berlin"),
+]
+
+
+def make(dtype: str, **kw) -> LLM:
+    return LLM.from_config(
+        EngineConfig(
+            model="default", dtype=dtype, device="cpu", cache=CacheConfig(num_blocks=64), **kw
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = make("float32")
+    ids = llm.tokenizer.encode(TEXT)
+    assert len(ids) >= 300
+    return ids, llm.engine.prompt_logits(ids).argmax(-1)
+
+
+def agreement(llm: LLM, ids, ref_top1) -> float:
+    return (llm.engine.prompt_logits(ids).argmax(-1) == ref_top1).float().mean().item()
+
+
+def chat_answers(llm: LLM) -> list[str]:
+    outs = llm.chat(
+        [[{"role": "user", "content": q}] for q, _ in QUESTIONS],
+        SamplingParams(temperature=0.0, max_tokens=16),
+    )
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.mark.parametrize(
+    "dtype,kw,min_agreement",
+    [("bfloat16", {}, 0.97), ("bfloat16", {"quantization": "int8"}, 0.95)],
+    ids=["bf16", "int8"],
+)
+def test_top1_agreement_with_float32_and_chat_answers(reference, dtype, kw, min_agreement):
+    ids, ref_top1 = reference
+    llm = make(dtype, **kw)
+    assert llm.engine.dtype == torch.bfloat16
+    agree = agreement(llm, ids, ref_top1)
+    assert agree >= min_agreement, f"top-1 agreement with float32 {agree:.3f}"
+    for (_, want), got in zip(QUESTIONS, chat_answers(llm)):
+        assert want in got
+
+
+def test_int8_weights_are_int8_and_logits_float32():
+    llm = make("bfloat16", quantization="int8")
+    model = llm.engine.model
+    layer = model.layers[0]
+    assert layer.qkv_proj.qweight.dtype == torch.int8 and layer.qkv_proj.weight is None
+    assert model.lm_qweight.dtype == torch.int8
+    logits = llm.engine.prompt_logits(llm.tokenizer.encode("Hello there"))
+    assert logits.dtype == torch.float32
+
+
+def test_int8_needs_a_16_bit_dtype():
+    with pytest.raises(ValueError, match="quantization int8 needs a 16-bit dtype"):
+        EngineConfig(dtype="float32", quantization="int8")
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="int4")
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    import engine.config as config
+
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    assert EngineConfig(device="cpu").resolved_dtype() == torch.bfloat16
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    assert EngineConfig(device="cpu").resolved_dtype() == torch.float32
+    assert EngineConfig(device="cpu", quantization="int8").resolved_dtype() == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_compiled_layers_agree_with_eager(reference):
+    ids, ref_top1 = reference
+    eager = make("bfloat16")
+    compiled = make("bfloat16", compile=True)
+    assert compiled.engine.runner.compiled
+    e = eager.engine.prompt_logits(ids)
+    c = compiled.engine.prompt_logits(ids)
+    assert (e.argmax(-1) == c.argmax(-1)).float().mean().item() >= 0.98
+    assert agreement(compiled, ids, ref_top1) >= 0.95
+    # decode steps (1 token) and batches of new sizes run through the same compiled code
+    for (_, want), got in zip(QUESTIONS, chat_answers(compiled)):
+        assert want in got
