@@ -1,0 +1,134 @@
+"""Starting a cluster on one host: the router in this process, N prefill and M decode workers as
+child processes (``engine worker --role ...`` on their command lines, so ``ps`` tells them
+apart), each with its own torch thread count. ``Cluster.stop`` (also on Ctrl-C or SIGTERM of
+``engine cluster``) terminates every child, kills what does not exit, and removes their staging
+files: no orphans."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+
+
+class ModelMeta(NamedTuple):
+    config: object  # ModelConfig
+    tokenizer: object
+    path: str
+
+
+def load_model_meta(model: str) -> ModelMeta:
+    """The model's config and tokenizer without its weights (the router computes nothing)."""
+    from engine.gguf_loader import load_gguf_checkpoint
+    from engine.hf_loader import load_hf_checkpoint
+    from engine.model_loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"{path}: name one .gguf file")
+        path = os.path.join(path, ggufs[0])
+    ckpt = load_hf_checkpoint(path) if os.path.isdir(path) else load_gguf_checkpoint(path)
+    return ModelMeta(ckpt.config, ckpt.tokenizer, path)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """The router (in this process) and its worker processes."""
+
+    def __init__(
+        self,
+        prefill: int = 1,
+        decode: int = 1,
+        worker_args: list[str] | None = None,
+        router_config=None,
+        kv_transport: str = "shm",
+        threads: int = 1,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 300.0,
+    ) -> None:
+        from dataclasses import replace
+
+        from engine.cluster.router import Router, RouterConfig
+
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"--prefill and --decode must be >= 1, got {prefill} and {decode}")
+        cfg = router_config or RouterConfig()
+        if cfg.address.endswith(":0"):
+            cfg = replace(cfg, address=f"tcp://127.0.0.1:{free_port()}")
+        self.router = Router(cfg)
+        self.worker_args = list(worker_args or [])
+        self.kv_transport = kv_transport
+        self.threads = threads
+        self.env = env
+        self.procs: dict[str, subprocess.Popen] = {}
+        try:
+            for i in range(prefill):
+                self.start_worker("prefill", f"prefill-{i}")
+            for i in range(decode):
+                self.start_worker("decode", f"decode-{i}")
+            self.router.wait_for_workers(prefill, decode, start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def worker_command(self, role: str, worker_id: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "engine",
+            "worker",
+            "--role",
+            role,
+            "--router",
+            self.router.address,
+            "--worker-id",
+            worker_id,
+            "--kv-transport",
+            self.kv_transport,
+            "--threads",
+            str(self.threads),
+            *self.worker_args,
+        ]
+
+    def start_worker(self, role: str, worker_id: str) -> subprocess.Popen:
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        proc = subprocess.Popen(self.worker_command(role, worker_id), env=env)
+        self.procs[worker_id] = proc
+        return proc
+
+    def stop(self, timeout: float = 20.0) -> None:
+        from engine.cluster.transfer import remove_stale_arenas
+
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        remove_stale_arenas([p.pid for p in self.procs.values()])
+        self.router.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
