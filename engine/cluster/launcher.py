@@ -75,6 +75,7 @@ class Cluster:
         self.threads = threads
         self.env = env
         self.procs: dict[str, subprocess.Popen] = {}
+        self.pids: list[int] = []  # every worker ever started (their staging files go at stop)
         try:
             for i in range(prefill):
                 self.start_worker("prefill", f"prefill-{i}")
@@ -105,10 +106,19 @@ class Cluster:
         ]
 
     def start_worker(self, role: str, worker_id: str) -> subprocess.Popen:
+        """Start (or restart, under the same name) a worker process."""
+        from engine.cluster.transfer import remove_stale_arenas
+
+        old = self.procs.get(worker_id)
+        if old is not None:
+            if old.poll() is None:
+                raise ValueError(f"worker {worker_id} is still running (pid {old.pid})")
+            remove_stale_arenas([old.pid])
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         proc = subprocess.Popen(self.worker_command(role, worker_id), env=env)
         self.procs[worker_id] = proc
+        self.pids.append(proc.pid)
         return proc
 
     def stop(self, timeout: float = 20.0) -> None:
@@ -124,7 +134,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-        remove_stale_arenas([p.pid for p in self.procs.values()])
+        remove_stale_arenas(self.pids)
         self.router.close()
 
     def __enter__(self) -> Cluster:

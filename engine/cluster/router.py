@@ -120,6 +120,7 @@ class _Request:
     decode: str = ""
     attempts: int = 0
     phase_deadline: float = 0.0
+    wire_id: str = ""  # the id workers know this attempt by: request id / attempt
 
     @property
     def streamed(self) -> bool:
@@ -142,7 +143,8 @@ class Router:
         self.placement = placement or RoundRobin()
         self.stats = EngineMetrics()
         self.workers: dict[str, _Worker] = {}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Request] = {}  # by the caller's request id
+        self._wire: dict[str, _Request] = {}  # by the current attempt's id
         self._commands: deque = deque()
         self._ids = itertools.count()
         self._accepting = True
@@ -250,6 +252,11 @@ class Router:
                 "transfers": hb.transfers if hb else 0,
             }
         return out
+
+    def placement_of(self, request_id: str) -> tuple[str, str, str] | None:
+        """(phase, prefill worker, decode worker) of a request in flight (tests, debugging)."""
+        req = self._requests.get(request_id)
+        return None if req is None else (req.phase, req.prefill, req.decode)
 
     def metrics(self) -> MetricsSnapshot:
         ws = [w for w in list(self.workers.values()) if w.state in ("up", "draining") and w.hb]
@@ -419,8 +426,13 @@ class Router:
         req.prefill, req.decode = placed
         req.phase = "reserving"
         req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
+        # A fresh id per attempt: late messages of an abandoned attempt can never be taken for
+        # this one's (by the router, or by a decode worker's staging area).
+        self._wire.pop(req.wire_id, None)
+        req.wire_id = f"{req.request_id}/{req.attempts}"
+        self._wire[req.wire_id] = req
         msg = m.DecodeRequest(
-            req.request_id, req.ids, params_to_wire(req.params), self.cfg.transfer_deadline_s
+            req.wire_id, req.ids, params_to_wire(req.params), self.cfg.transfer_deadline_s
         )
         if not self._send(self.workers[req.decode], msg):
             self._retry(req, f"decode worker {req.decode} is unreachable")
@@ -438,11 +450,12 @@ class Router:
         for wid in (req.prefill, req.decode):
             w = self.workers.get(wid)
             if w is not None and w.state in ("up", "draining"):
-                self._send(w, m.Abort(req.request_id))
+                self._send(w, m.Abort(req.wire_id))
         req.prefill = req.decode = ""
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         self._requests.pop(req.request_id, None)
+        self._wire.pop(req.wire_id, None)
         with self.stats.lock:
             self.stats.finished["error"] = self.stats.finished.get("error", 0) + 1
         self._deliver(req, exc)
@@ -484,9 +497,9 @@ class Router:
         if sender is None:
             return
         sender.last_seen = now
-        req = self._requests.get(getattr(msg, "request_id", ""))
+        req = self._wire.get(getattr(msg, "request_id", ""))
         if req is None:
-            return  # finished or aborted: late messages are dropped
+            return  # finished, aborted or an abandoned attempt: late messages are dropped
         wid = sender.worker_id
         if isinstance(msg, m.DecodeReady):
             if wid != req.decode or req.phase != "reserving":
@@ -507,7 +520,7 @@ class Router:
                 return
             p = self.workers.get(req.prefill)
             if p is not None:
-                self._send(p, m.Abort(req.request_id))
+                self._send(p, m.Abort(req.wire_id))
             if msg.recompute:
                 req.phase = "decode"  # the decode worker prefills it itself
                 req.phase_deadline = time.monotonic() + self.cfg.request_timeout_s
@@ -561,7 +574,7 @@ class Router:
         req.phase = "prefill"
         req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
         msg = m.PrefillRequest(
-            req.request_id,
+            req.wire_id,
             req.ids,
             params_to_wire(req.params),
             decode.worker_id,
@@ -640,6 +653,7 @@ class Router:
                     self.stats.finished[r] = self.stats.finished.get(r, 0) + 1
         if finished:
             self._requests.pop(req.request_id, None)
+            self._wire.pop(req.wire_id, None)
         self._deliver(req, RequestOutput(req.request_id, req.prompt, req.ids, outs, finished, m_))
 
     def _on_death(self, w: _Worker, state: str) -> None:
