@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
-from engine.cluster.transfer import KVLayout, StagingArena, checksum
+from engine.cluster.transfer import KVLayout, StagingArena, checksum, scatter_tokens
 from engine.kvcache.connector import KVConnector, LoadDone
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ class Transfer:
     error: str | None = None
     done: m.KVDone | None = None
     finished: bool = False  # KVDone or a failure was reported to the worker
-    complete_time: float = 0.0  # monotonic time every layer was in
+    complete_time: float = 0.0  # monotonic time KVDone came
+    last_piece_time: float = 0.0  # monotonic time the last layer piece came (benchmarks)
     children: set[str] = field(default_factory=set)  # engine requests still to load
     freed: bool = False
     sender_done: bool = False  # KVDone or KVAbort came: the sender writes no more
@@ -75,7 +76,6 @@ class KVReceiver(KVConnector):
         layers, _, blocks, bs, heads, dim = kv_cache.shape
         self.num_layers = layers
         self.token_bytes = heads * dim * kv_cache.element_size()
-        self._flat = kv_cache.view(layers, 2, blocks * bs, heads, dim)
         self._wake = wake or (lambda: None)
         self._lock = threading.Lock()
         self._transfers: dict[str, Transfer] = {}
@@ -206,11 +206,9 @@ class KVReceiver(KVConnector):
     def _scatter(self, t: Transfer, table: list[int], start: int, n: int) -> None:
         L, T = t.layout.num_layers, t.layout.num_tokens
         staged = self.arena.view(t.offset, t.layout.nbytes).view(self.kv.dtype)
-        staged = staged.view(L, 2, T, *self._flat.shape[3:])[:, :, start : start + n]
-        bs = self.block_size
-        tok = torch.arange(start, start + n)
-        slots = torch.tensor(table, dtype=torch.long)[tok // bs] * bs + tok % bs
-        self._flat.index_copy_(2, slots.to(self.kv.device), staged.to(self.kv.device))
+        staged = staged.view(L, 2, T, *self.kv.shape[4:])[:, :, start : start + n]
+        table_t = torch.tensor(table, dtype=torch.long, device=self.kv.device)
+        scatter_tokens(staged.to(self.kv.device), self.kv, table_t, start)
 
     def request_finished(self, req) -> None:
         with self._lock:
@@ -320,6 +318,7 @@ class KVReceiver(KVConnector):
         elif checksum(k, v) != msg.checksum:
             return f"layer {msg.layer}: checksum mismatch"
         t.pieces[msg.layer].append((msg.start, msg.end))
+        t.last_piece_time = time.monotonic()
         self.counters["bytes_received"] += 2 * length
         return None
 

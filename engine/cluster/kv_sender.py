@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
-from engine.cluster.transfer import KVLayout, PeerArenas, checksum
+from engine.cluster.transfer import KVLayout, PeerArenas, checksum, gather_tokens
 from engine.kvcache.connector import KVConnector, LoadDone, StepBlocks
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,6 @@ class KVSender(KVConnector):
         layers, _, blocks, bs, heads, dim = kv_cache.shape
         self.num_layers = layers
         self.token_bytes = heads * dim * kv_cache.element_size()
-        self._flat = kv_cache.view(layers, 2, blocks * bs, heads, dim)
         self._targets: dict[str, SendTarget] = {}  # by request id
         self._following: dict[str, SendTarget] = {}  # by followed engine request id
         self._peers = PeerArenas()
@@ -135,12 +134,10 @@ class KVSender(KVConnector):
         start = t.sent[layer]
         if upto <= start:
             return
-        bs = self.block_size
-        tok = torch.arange(start, upto)
-        blocks = torch.tensor(table, dtype=torch.long)[tok // bs]
-        slots = (blocks * bs + tok % bs).to(self.kv.device)
-        src = self._flat[layer]  # [2, slots, heads, dim]
+        table_t = torch.tensor(table, dtype=torch.long, device=self.kv.device)
+        layer_kv = self.kv[layer]  # [2, blocks, block_size, heads, dim]
         n = upto - start
+        row = layer_kv.shape[3:]
         if t.transport == "shm":
             try:
                 arena = self._peers.get(t.shm_path)
@@ -151,13 +148,14 @@ class KVSender(KVConnector):
             for kv in (0, 1):
                 off, length = t.layout.run(layer, kv, start, upto)
                 dst = arena[t.offset + off : t.offset + off + length].view(self.kv.dtype)
-                dst = dst.view(n, *src.shape[2:])
-                torch.index_select(src[kv], 0, slots, out=dst)
+                dst = dst.view(n, *row)
+                gather_tokens(layer_kv[kv], table_t, start, upto, dst)
                 views.append(dst)
             item = ("layer", t, layer, start, upto, views)
         else:
-            buf = torch.empty((2, n, *src.shape[2:]), dtype=self.kv.dtype)
-            torch.index_select(src, 1, slots, out=buf)
+            buf = torch.empty((2, n, *row), dtype=self.kv.dtype)
+            for kv in (0, 1):
+                gather_tokens(layer_kv[kv], table_t, start, upto, buf[kv])
             item = ("layer", t, layer, start, upto, [buf])
         t.sent[layer] = upto
         self._put(t, item)

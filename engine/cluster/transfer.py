@@ -169,3 +169,55 @@ def remove_stale_arenas(pids: list[int]) -> int:
             except FileNotFoundError:
                 pass
     return n
+
+
+def _runs(table: list[int] | torch.Tensor, start: int, end: int, bs: int):
+    """Split tokens [start, end) into (kind, a, b): "blocks" for whole blocks, "tokens" for the
+    partial blocks at either end."""
+    first_full = -(-start // bs) * bs
+    last_full = (end // bs) * bs
+    if first_full >= last_full:
+        return [("tokens", start, end)]
+    out = []
+    if start < first_full:
+        out.append(("tokens", start, first_full))
+    out.append(("blocks", first_full, last_full))
+    if last_full < end:
+        out.append(("tokens", last_full, end))
+    return out
+
+
+def _slots(table: torch.Tensor, a: int, b: int, bs: int) -> torch.Tensor:
+    tok = torch.arange(a, b)
+    return table[tok // bs] * bs + tok % bs
+
+
+def gather_tokens(src: torch.Tensor, table: torch.Tensor, start: int, end: int, out) -> None:
+    """out[t - start] = KV of token t, for t in [start, end). src: one layer's K or V,
+    [blocks, block_size, heads, dim]; table: the request's block ids (long, on src's device);
+    out: [end - start, heads, dim]. Whole blocks are copied as blocks (12 KiB rows for the
+    default model), not token by token."""
+    bs = src.shape[1]
+    flat = src.view(-1, *src.shape[2:])
+    for kind, a, b in _runs(table, start, end, bs):
+        dst = out[a - start : b - start]
+        if kind == "blocks":
+            ids = table[a // bs : b // bs]
+            torch.index_select(src, 0, ids, out=dst.view(-1, bs, *src.shape[2:]))
+        else:
+            torch.index_select(flat, 0, _slots(table, a, b, bs), out=dst)
+
+
+def scatter_tokens(staged: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, start: int):
+    """The inverse for every layer at once: dst [layers, 2, blocks, block_size, heads, dim] gets
+    staged [layers, 2, n, heads, dim] as tokens [start, start + n) of the request."""
+    bs = dst.shape[3]
+    n = staged.shape[2]
+    flat = dst.view(*dst.shape[:2], -1, *dst.shape[4:])
+    for kind, a, b in _runs(table, start, start + n, bs):
+        part = staged[:, :, a - start : b - start]
+        if kind == "blocks":
+            ids = table[a // bs : b // bs]
+            dst.index_copy_(2, ids, part.reshape(*dst.shape[:2], -1, bs, *dst.shape[4:]))
+        else:
+            flat.index_copy_(2, _slots(table, a, b, bs), part)
