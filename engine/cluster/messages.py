@@ -6,6 +6,8 @@ Socket roles (fixed):
   ``TransferFailed``, ``RequestError``, ``Goodbye`` up; ``PrefillRequest``, ``DecodeRequest``,
   ``Abort`` down. A second DEALER per worker carries only ``Heartbeat`` (its own thread, so a
   long forward never delays one).
+- worker PUB -> router SUB: block events, ``{"type": "stored"|"removed", "namespace": hex,
+  "keys": [...], "source": worker id}`` (the pool service's format, one msgpack map per message).
 - prefill PUSH -> decode PULL (KV): ``KVLayer`` (the layer's bytes as one raw frame over TCP;
   no frame over shared memory, where they already lie in the decode worker's staging area),
   ``KVDone`` (first tokens and sampler state; one raw frame per seeded generator), ``KVAbort``.
@@ -58,6 +60,7 @@ class Register(Message):
     shm_path: str  # decode: its staging arena file ("" when it has none)
     transport: str  # "shm" | "tcp"
     host: str  # hostname, so the router can tell which workers share memory
+    events_address: str = ""  # its PUB socket of block events (the pool service's format)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class _Worker:
     shm_path: str
     transport: str
     max_model_len: int
+    events_address: str = ""
     state: str = "up"  # up | draining | dead | left
     last_seen: float = 0.0
     hb: m.Heartbeat | None = None
@@ -157,6 +158,12 @@ class Router:
         self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_HEADER_BYTES + 1024)
         self._sock.bind(cfg.address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Block events from every worker: which prefix blocks each holds (a hint for placement).
+        self.block_index: dict[str, set[bytes]] = {}
+        self._events = self._ctx.socket(zmq.SUB)
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self._events.setsockopt(zmq.SUBSCRIBE, b"")
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -341,6 +348,7 @@ class Router:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._events, zmq.POLLIN)
         next_check = 0.0
         try:
             while not self._stop:
@@ -357,6 +365,8 @@ class Router:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
+                if self._events in events:
+                    self._take_block_events()
                 while self._commands:
                     self._on_command(self._commands.popleft())
                 now = time.monotonic()
@@ -370,6 +380,7 @@ class Router:
             for req in list(self._requests.values()):
                 self._fail(req, ClusterUnavailableError("the router stopped"))
             self._sock.close(linger=0)
+            self._events.close(linger=0)
             os.close(self._wake_r)
             os.close(self._wake_w)
 
@@ -551,8 +562,12 @@ class Router:
             msg.shm_path,
             msg.transport,
             msg.max_model_len,
+            events_address=msg.events_address,
             last_seen=now,
         )
+        self.block_index[msg.worker_id] = set()
+        if msg.events_address:
+            self._events.connect(msg.events_address)
         if self.cfg.max_model_len is None:
             self.max_model_len = min(
                 self.max_model_len,
@@ -656,8 +671,45 @@ class Router:
             self._wire.pop(req.wire_id, None)
         self._deliver(req, RequestOutput(req.request_id, req.prompt, req.ids, outs, finished, m_))
 
+    def _take_block_events(self) -> None:
+        import msgpack
+
+        for _ in range(10_000):
+            try:
+                raw = self._events.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                ev = msgpack.unpackb(raw, raw=False)
+                kind, keys, source = ev["type"], ev["keys"], ev["source"]
+            except Exception:  # not an event: a hint source must never stop the router
+                continue
+            index = self.block_index.get(source) if isinstance(source, str) else None
+            if index is None or not isinstance(keys, list):
+                continue
+            if kind == "stored":
+                index.update(k for k in keys if isinstance(k, bytes))
+            elif kind == "removed":
+                index.difference_update(k for k in keys if isinstance(k, bytes))
+
+    def prefix_blocks(self, worker_id: str, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of a chain the worker holds, by its events (a hint)."""
+        index = self.block_index.get(worker_id, set())
+        n = 0
+        for h in block_hashes:
+            if h not in index:
+                break
+            n += 1
+        return n
+
     def _on_death(self, w: _Worker, state: str) -> None:
         w.state = state
+        self.block_index.pop(w.worker_id, None)
+        if w.events_address:
+            try:
+                self._events.disconnect(w.events_address)
+            except zmq.ZMQError:
+                pass
         log.warning("worker %s is %s", w.worker_id, state)
         for req in list(self._requests.values()):
             if w.worker_id in (req.prefill, req.decode):

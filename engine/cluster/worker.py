@@ -25,6 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import msgpack
 import zmq
 
 from engine.cluster import messages as m
@@ -33,6 +34,7 @@ from engine.config import EngineConfig
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+EVENT_KEYS = 1024  # keys per event message, as the pool service
 TRANSPORTS = ("shm", "tcp")
 
 
@@ -86,6 +88,14 @@ class Worker:
         self.state = "up"
         self._stop = threading.Event()
         self._outbox: list[m.Message] = []
+        self._block_events: list[tuple[str, bytes]] = []
+        self._pub = self.ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 10_000)
+        self._pub.bind(f"tcp://{cfg.kv_host}:0")
+        self.events_address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.namespace = _namespace_hex(self.engine)
+        self.engine.kv.pool.listener = lambda kind, key: self._block_events.append((kind, key))
         self.arena = None
         kv, bs = self.engine.cache.kv, self.engine.kv.block_size
         if cfg.role == "prefill":
@@ -145,6 +155,7 @@ class Worker:
             self.shm_path,
             self.cfg.transport,
             socket.gethostname(),
+            events_address=self.events_address,
         )
 
     def _heartbeat_loop(self) -> None:
@@ -255,7 +266,24 @@ class Worker:
                 return
             self.role.on_transfer(rid)
 
+    def _publish_block_events(self) -> None:
+        """Stored/removed block hashes since the last call, in runs of one kind."""
+        events, self._block_events = self._block_events, []
+        i = 0
+        while i < len(events):
+            kind, keys = events[i][0], []
+            while i < len(events) and events[i][0] == kind and len(keys) < EVENT_KEYS:
+                keys.append(events[i][1])
+                i += 1
+            msg = {"type": kind, "namespace": self.namespace, "keys": keys,
+                   "source": self.worker_id}  # fmt: skip
+            try:
+                self._pub.send(msgpack.packb(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # subscribers treat the index as a hint
+
     def _flush(self, ctl: zmq.Socket) -> None:
+        self._publish_block_events()
         out, self._outbox = self._outbox, []
         for msg in out:
             try:
@@ -277,6 +305,21 @@ class Worker:
         if self.arena is not None:
             self.arena.close()
         self._wake_pull.close(linger=0)
+        self._pub.close(linger=0)
+
+
+def _namespace_hex(engine) -> str:
+    """The pool's namespace of this engine's blocks, when the pool code is there."""
+    try:
+        from engine.kvcache.namespace import make_namespace
+    except ImportError:
+        return ""
+    try:
+        ns = make_namespace(engine.model_config, engine.model, engine.cache.kv.dtype,
+                            engine.cache.block_size)  # fmt: skip
+        return ns.id.hex()
+    except Exception:  # never let the hint stop a worker
+        return ""
 
 
 def run_worker(cfg: WorkerConfig) -> int:

@@ -133,3 +133,18 @@ def test_abort_frees_kv_on_both_sides(cluster):
     wait_idle(cluster)
     st = cluster.router.workers_status()
     assert all(v["state"] == "up" for v in st.values())
+
+
+def test_block_events_reach_router(cluster):
+    from engine.kvcache.prefix_hash import hash_blocks
+
+    asyncio.run(collect(cluster.router, prompts()[1], GREEDY))
+    chain = hash_blocks(prompts()[1], 16)  # 40 tokens: 2 full blocks
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        held = {w: cluster.router.prefix_blocks(w, chain) for w in ("prefill-0", "decode-0")}
+        if held == {"prefill-0": 2, "decode-0": 2}:
+            break
+        time.sleep(0.1)
+    # The prefill worker computed the blocks; the decode worker loaded them into its cache.
+    assert held == {"prefill-0": 2, "decode-0": 2}

@@ -9,7 +9,18 @@ import pytest
 from engine.cluster import messages as m
 
 SAMPLES = [
-    m.Register("d0", "decode", 123, "default", 2048, "tcp://127.0.0.1:5", "/dev/shm/x", "shm", "h"),
+    m.Register(
+        "d0",
+        "decode",
+        123,
+        "default",
+        2048,
+        "tcp://127.0.0.1:5",
+        "/dev/shm/x",
+        "shm",
+        "h",
+        events_address="tcp://127.0.0.1:6",
+    ),
     m.Heartbeat("p0", "draining", 1, 2, 0.25, 7, 4096, 1),
     m.Goodbye("p0"),
     m.DecodeReady("r1", 64, 1024),
