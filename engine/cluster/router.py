@@ -304,6 +304,9 @@ class Router:
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
+        """Stop the IO thread (idempotent); requests in flight fail with 503."""
+        if not self._thread.is_alive():
+            return
         self._stop = True
         self._wake()
         self._thread.join(timeout=10)
@@ -333,8 +336,8 @@ class Router:
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full of wakes already
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full of wakes already, or the router stopped
 
     def _deliver(self, req: _Request, item) -> None:
         try:

@@ -15,7 +15,9 @@ import httpx
 import psutil
 import pytest
 
+from engine.client import RPCClient
 from engine.cluster.launcher import free_port
+from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -50,9 +52,9 @@ def complete(url: str) -> str:
 
 
 def test_engine_cluster_serves_and_stops_everything():
-    port = free_port()
+    port, rpc = free_port(), free_port()
     cmd = [sys.executable, "-m", "engine", "cluster", "--prefill", "1", "--decode", "1",
-           "--port", str(port), *SMALL]  # fmt: skip
+           "--port", str(port), "--rpc-address", f"tcp://127.0.0.1:{rpc}", *SMALL]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env())
     children = []
     try:
@@ -61,7 +63,10 @@ def test_engine_cluster_serves_and_stops_everything():
         children = psutil.Process(proc.pid).children(recursive=True)
         roles = sorted(" ".join(c.cmdline()).split("--role ")[1].split()[0] for c in children)
         assert roles == ["decode", "prefill"]
-        assert complete(url)
+        text = complete(url)
+        with RPCClient(f"tcp://127.0.0.1:{rpc}", timeout=120) as client:
+            r = client.generate(BODY["prompt"], SamplingParams(max_tokens=8, temperature=0))
+        assert r.text == text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         gone, alive = psutil.wait_procs(children, timeout=30)
