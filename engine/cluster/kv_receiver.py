@@ -69,10 +69,14 @@ class KVReceiver(KVConnector):
         bind: str = "tcp://127.0.0.1:0",
         wake: Callable[[], None] | None = None,
         max_events: int = 4096,
+        remote_writes: bool | None = None,
     ) -> None:
+        """remote_writes: senders write into the arena themselves (shared memory, Mooncake), so
+        an area released before its sender is done is quarantined. Default: the arena is shared."""
         self.kv = kv_cache
         self.block_size = block_size
         self.arena = arena
+        self.remote_writes = bool(arena.path) if remote_writes is None else remote_writes
         layers, _, blocks, bs, heads, dim = kv_cache.shape
         self.num_layers = layers
         self.token_bytes = heads * dim * kv_cache.element_size()
@@ -144,7 +148,7 @@ class KVReceiver(KVConnector):
         if not t.finished:
             t.finished = True
             t.error = t.error or "released"
-        if self.arena.path and not t.sender_done:
+        if self.remote_writes and not t.sender_done:
             t.released_at = time.monotonic()
         else:
             self._free(t)

@@ -47,6 +47,8 @@ class SendTarget:
     offset: int
     layout: KVLayout
     stream_layers: bool = True
+    peer_address: str = ""  # mooncake: the decode worker's Transfer Engine and arena base
+    peer_base: int = 0
     sent: list[int] = field(default_factory=list)  # per layer: tokens sent so far
     failed: bool = False
     last_layer_time: float = 0.0  # monotonic time the last layer of the last chunk left
@@ -62,10 +64,12 @@ class KVSender(KVConnector):
         inner: KVConnector | None = None,
         send_timeout: float = 30.0,
         max_queue: int = 1024,
+        mooncake=None,
     ) -> None:
         self.kv = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.inner = inner
+        self.mooncake = mooncake  # a MooncakeEndpoint, for --kv-transport mooncake
         self.send_timeout = send_timeout
         layers, _, blocks, bs, heads, dim = kv_cache.shape
         self.num_layers = layers
@@ -226,6 +230,9 @@ class KVSender(KVConnector):
                     header = m.KVLayer(
                         t.request_id, layer, start, end, checksum(*parts), t.transport == "tcp"
                     )
+                    if t.transport == "mooncake" and not self._write_remote(t, header, bufs[0]):
+                        self._fail(t, f"Mooncake write to {t.peer_address} failed")
+                        continue
                     frames = m.encode(header)
                     if header.inline:
                         frames.append(parts[0])
@@ -248,6 +255,18 @@ class KVSender(KVConnector):
         finally:
             for s in socks.values():
                 s.close(linger=0)
+
+    def _write_remote(self, t: SendTarget, h: m.KVLayer, buf: torch.Tensor) -> bool:
+        """buf [2, n, heads, dim]: its K and V rows into the decode worker's staging area."""
+        if self.mooncake is None:
+            return False
+        for kv in (0, 1):
+            off, length = t.layout.run(h.layer, kv, h.start, h.end)
+            if not self.mooncake.write(
+                t.peer_address, buf[kv], t.peer_base + t.offset + off, 64 << 20
+            ):
+                return False
+        return True
 
     def _send(self, sock: zmq.Socket, frames: list) -> bool:
         deadline = time.monotonic() + self.send_timeout

@@ -61,6 +61,8 @@ class Register(Message):
     transport: str  # "shm" | "tcp"
     host: str  # hostname, so the router can tell which workers share memory
     events_address: str = ""  # its PUB socket of block events (the pool service's format)
+    mooncake_address: str = ""  # decode over Mooncake: its Transfer Engine's address
+    arena_addr: int = 0  # and the staging arena's registered base address
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ class PrefillRequest(Message):
     offset: int
     nbytes: int
     stream_layers: bool = True  # False: every layer leaves after the prefill (benchmarks)
+    peer_address: str = ""  # mooncake: the decode worker's Transfer Engine
+    peer_base: int = 0  # mooncake: its staging arena's address
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,8 @@ class PrefillRole:
             msg.offset,
             layout,
             stream_layers=msg.stream_layers,
+            peer_address=msg.peer_address,
+            peer_base=msg.peer_base,
         )
         if layout.nbytes != msg.nbytes:
             self.engine.abort_request(rid)

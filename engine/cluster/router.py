@@ -72,8 +72,10 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.kv_transport not in (None, "shm", "tcp"):
-            raise ValueError(f"kv_transport must be shm or tcp, got {self.kv_transport!r}")
+        if self.kv_transport not in (None, "shm", "tcp", "mooncake"):
+            raise ValueError(
+                f"kv_transport must be shm, tcp or mooncake, got {self.kv_transport!r}"
+            )
 
 
 @dataclass
@@ -88,6 +90,8 @@ class _Worker:
     transport: str
     max_model_len: int
     events_address: str = ""
+    mooncake_address: str = ""
+    arena_addr: int = 0
     state: str = "up"  # up | draining | dead | left
     last_seen: float = 0.0
     hb: m.Heartbeat | None = None
@@ -566,6 +570,8 @@ class Router:
             msg.transport,
             msg.max_model_len,
             events_address=msg.events_address,
+            mooncake_address=msg.mooncake_address,
+            arena_addr=msg.arena_addr,
             last_seen=now,
         )
         self.block_index[msg.worker_id] = set()
@@ -585,9 +591,11 @@ class Router:
             return
         transport = self.cfg.kv_transport
         same_host = p.host == decode.host and decode.shm_path
-        if transport is None:
+        if decode.mooncake_address and (transport or decode.transport) == "mooncake":
+            transport = "mooncake"  # both ends must have joined with their Transfer Engines
+        elif transport is None:
             transport = "shm" if same_host and decode.transport == "shm" else "tcp"
-        elif transport == "shm" and not same_host:
+        elif transport != "tcp" and not same_host:
             transport = "tcp"
         req.phase = "prefill"
         req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
@@ -602,6 +610,8 @@ class Router:
             ready.offset,
             ready.nbytes,
             stream_layers=self.cfg.stream_layers,
+            peer_address=decode.mooncake_address if transport == "mooncake" else "",
+            peer_base=decode.arena_addr if transport == "mooncake" else 0,
         )
         if not self._send(p, msg):
             self._retry(req, f"prefill worker {p.worker_id} is unreachable")

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 EVENT_KEYS = 1024  # keys per event message, as the pool service
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class WorkerConfig:
     staging_mb: int = 1024
     heartbeat_s: float = 0.5
     threads: int = 1  # torch threads (several workers share a host's cores)
+    mooncake_metadata: str = "P2PHANDSHAKE"  # Mooncake's metadata service, for mooncake
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -97,12 +98,18 @@ class Worker:
         self.namespace = _namespace_hex(self.engine)
         self.engine.kv.pool.listener = lambda kind, key: self._block_events.append((kind, key))
         self.arena = None
+        self.mooncake = None
+        if cfg.transport == "mooncake":
+            from engine.cluster.transfer_mooncake import MooncakeEndpoint
+
+            self.mooncake = MooncakeEndpoint(cfg.kv_host, cfg.mooncake_metadata)
+        self.arena_addr = 0
         kv, bs = self.engine.cache.kv, self.engine.kv.block_size
         if cfg.role == "prefill":
             from engine.cluster.kv_sender import KVSender
             from engine.cluster.roles import PrefillRole
 
-            self.sender = KVSender(kv, bs, inner=self.engine.connector)
+            self.sender = KVSender(kv, bs, inner=self.engine.connector, mooncake=self.mooncake)
             self._attach(self.sender)
             self.role = PrefillRole(self.engine, self.sender, self.worker_id, self._emit)
             self.kv_address, self.shm_path = "", ""
@@ -113,8 +120,15 @@ class Worker:
 
             self.arena = StagingArena(cfg.staging_mb << 20, shared=cfg.transport == "shm")
             self.receiver = KVReceiver(
-                kv, bs, self.arena, bind=f"tcp://{cfg.kv_host}:0", wake=self._wake
+                kv,
+                bs,
+                self.arena,
+                bind=f"tcp://{cfg.kv_host}:0",
+                wake=self._wake,
+                remote_writes=cfg.transport in ("shm", "mooncake"),
             )
+            if self.mooncake is not None:
+                self.arena_addr = self.mooncake.register(self.arena.buf)
             if self.engine.connector is not None:
                 self.engine.connector.close()  # the decode side loads only what prefill sends
             self._attach(self.receiver)
@@ -156,6 +170,8 @@ class Worker:
             self.cfg.transport,
             socket.gethostname(),
             events_address=self.events_address,
+            mooncake_address=self.mooncake.address if self.mooncake is not None else "",
+            arena_addr=self.arena_addr,
         )
 
     def _heartbeat_loop(self) -> None:

@@ -46,7 +46,13 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
 
 
 def _worker_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-transport", default="shm", choices=["shm", "tcp"])
+    p.add_argument("--kv-transport", default="shm", choices=["shm", "tcp", "mooncake"])
+    p.add_argument(
+        "--mooncake-metadata",
+        default="P2PHANDSHAKE",
+        metavar="URL",
+        help="Mooncake metadata service for --kv-transport mooncake (default: peer handshake)",
+    )
     p.add_argument("--kv-load-failure", default="recompute", choices=["recompute", "fail"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
 
@@ -85,6 +91,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         kv_load_failure=args.kv_load_failure,
         staging_mb=args.kv_staging_mb,
         threads=args.threads,
+        mooncake_metadata=args.mooncake_metadata,
     )
     return run_worker(cfg)
 
@@ -150,6 +157,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         str(args.kv_staging_mb),
         "--log-level",
         args.log_level,
+        "--mooncake-metadata",
+        args.mooncake_metadata,
     ]
     cluster = Cluster(
         args.prefill,

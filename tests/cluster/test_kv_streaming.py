@@ -36,8 +36,17 @@ class Pair:
         self.transport = transport
         self.router: list[m.Message] = []
         cache = self.d_engine.cache
-        self.receiver = KVReceiver(cache.kv, self.d_engine.kv.block_size, self.arena)
-        self.sender = KVSender(self.p_engine.cache.kv, self.p_engine.kv.block_size)
+        self.receiver = KVReceiver(
+            cache.kv, self.d_engine.kv.block_size, self.arena, remote_writes=transport != "tcp"
+        )
+        self.peer, self.base, mc = "", 0, None
+        if transport == "mooncake":
+            from engine.cluster.transfer_mooncake import MooncakeEndpoint
+
+            d_mc, mc = MooncakeEndpoint(), MooncakeEndpoint()
+            self.peer, self.base = d_mc.address, d_mc.register(self.arena.buf)
+            self._keep = d_mc
+        self.sender = KVSender(self.p_engine.cache.kv, self.p_engine.kv.block_size, mooncake=mc)
         for e, c in ((self.p_engine, self.sender), (self.d_engine, self.receiver)):
             e.connector = c
             e.scheduler.connector = c
@@ -60,6 +69,8 @@ class Pair:
                 self.arena.path,
                 ready.offset,
                 ready.nbytes,
+                peer_address=self.peer,
+                peer_base=self.base,
             )
         )
         while self.p_engine.has_unfinished_requests():
@@ -336,3 +347,15 @@ def test_gather_and_scatter_tokens_by_blocks_and_tokens(start, end):
     scatter_tokens(got, dst, table, start)
     assert torch.equal(dst.view(L, 2, NB * BS, H, D)[:, :, slots], want)
     assert torch.count_nonzero(dst) == torch.count_nonzero(want)  # nothing else written
+
+
+@pytest.mark.slow
+def test_mooncake_transfer_engine_matches_colocated(expected):
+    pytest.importorskip("mooncake.engine")
+    pair = Pair("mooncake", prefill_tokens=64)
+    try:
+        assert pair.run("g", PROMPT, GREEDY) == expected["greedy"]
+        assert pair.d_engine.metrics.computed_prompt_tokens == 0
+        assert not any(isinstance(x, m.TransferFailed) for x in pair.router)
+    finally:
+        pair.close()
