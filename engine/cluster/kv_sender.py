@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from engine.kvcache.connector import KVConnector, LoadDone, StepBlocks
 log = logging.getLogger(__name__)
 
 SEND_HWM = 64  # messages queued per decode worker in ZeroMQ before sends wait
+POOL_BYTES = 256 << 20  # TCP send buffers kept for reuse (fresh ones cost page faults)
 
 
 @dataclass
@@ -52,6 +54,13 @@ class SendTarget:
     sent: list[int] = field(default_factory=list)  # per layer: tokens sent so far
     failed: bool = False
     last_layer_time: float = 0.0  # monotonic time the last layer of the last chunk left
+
+
+class _Done:
+    done = True  # a buffer copied out already (Mooncake's bounce buffer)
+
+
+_DONE = _Done()
 
 
 class KVSender(KVConnector):
@@ -78,6 +87,10 @@ class KVSender(KVConnector):
         self._following: dict[str, SendTarget] = {}  # by followed engine request id
         self._peers = PeerArenas()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        # TCP send buffers: reused once ZeroMQ is done with them (its tracker says so).
+        self._returns: deque = deque()  # (tracker, buffer), appended by the sender thread
+        self._pool: dict[int, list[torch.Tensor]] = {}
+        self._pool_bytes = 0
         self.counters = {"layers_sent": 0, "bytes_sent": 0, "failed_transfers": 0}
         self._thread = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
         self._thread.start()
@@ -157,12 +170,29 @@ class KVSender(KVConnector):
                 views.append(dst)
             item = ("layer", t, layer, start, upto, views)
         else:
-            buf = torch.empty((2, n, *row), dtype=self.kv.dtype)
+            buf = self._buffer((2, n, *row))
             for kv in (0, 1):
                 gather_tokens(layer_kv[kv], table_t, start, upto, buf[kv])
             item = ("layer", t, layer, start, upto, [buf])
         t.sent[layer] = upto
         self._put(t, item)
+
+    def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        while self._returns and self._returns[0][0].done:
+            _, buf = self._returns.popleft()
+            nbytes = buf.numel() * buf.element_size()
+            if self._pool_bytes + nbytes <= POOL_BYTES:
+                self._pool.setdefault(buf.numel(), []).append(buf)
+                self._pool_bytes += nbytes
+        numel = 1
+        for d in shape:
+            numel *= d
+        free = self._pool.get(numel)
+        if free:
+            buf = free.pop()
+            self._pool_bytes -= buf.numel() * buf.element_size()
+            return buf.view(shape)
+        return torch.empty(shape, dtype=self.kv.dtype, device="cpu")
 
     def _put(self, t: SendTarget, item) -> None:
         try:
@@ -246,9 +276,12 @@ class KVSender(KVConnector):
                     sock.setsockopt(zmq.LINGER, 0)
                     sock.connect(t.kv_address)
                     socks[t.kv_address] = sock
-                if not self._send(sock, frames):
+                tracker = self._send(sock, frames)
+                if tracker is None:
                     self._fail(t, f"{t.kv_address} took nothing for {self.send_timeout:.0f} s")
                     continue
+                if item[0] == "layer" and t.transport != "shm":  # its buffer can be reused
+                    self._returns.append((tracker if t.transport == "tcp" else _DONE, item[5][0]))
                 if item[0] == "layer":
                     self.counters["layers_sent"] += 1
                     self.counters["bytes_sent"] += nbytes
@@ -268,14 +301,14 @@ class KVSender(KVConnector):
                 return False
         return True
 
-    def _send(self, sock: zmq.Socket, frames: list) -> bool:
+    def _send(self, sock: zmq.Socket, frames: list):
+        """The send's tracker (done once ZeroMQ let go of the buffers), or None at the deadline."""
         deadline = time.monotonic() + self.send_timeout
         while True:
             try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return True
+                return sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
             except zmq.Again:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return False
+                    return None
                 sock.poll(min(100, int(left * 1000) + 1), zmq.POLLOUT)
