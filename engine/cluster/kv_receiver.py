@@ -263,14 +263,53 @@ class KVReceiver(KVConnector):
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            frames = self._sock.recv_multipart(copy=False)
             try:
-                msg = m.decode([f.buffer for f in frames])
+                head = self._sock.recv(copy=False)
+                rest = []
+                if self._sock.getsockopt(zmq.RCVMORE):
+                    if self._recv_direct(head.buffer):
+                        continue
+                    rest = self._recv_rest()
+                msg = m.decode([head.buffer, *(f.buffer for f in rest)])
                 self._handle(msg)
             except m.MessageError as exc:
                 log.warning("bad KV message: %s", exc)
             except Exception:  # never let one message stop the receiver
                 log.exception("error handling a KV message")
+
+    def _recv_rest(self) -> list:
+        frames = []
+        while self._sock.getsockopt(zmq.RCVMORE):
+            frames.append(self._sock.recv(copy=False))
+        return frames
+
+    def _recv_direct(self, head) -> bool:
+        """A TCP layer for a live transfer whose checks pass: its K and V frames are received
+        straight into the staging area (no intermediate copy). False: take the generic path."""
+        try:
+            msg = m.decode([head], check_frames=False)
+        except m.MessageError:
+            return False
+        if not isinstance(msg, m.KVLayer) or not msg.inline:
+            return False
+        with self._lock:
+            t = self._transfers.get(msg.request_id)
+            if t is None or t.freed or t.finished or self._check_piece(t, msg) is not None:
+                return False  # the generic path drops it or reports the problem
+            k, v = self._views(t, msg)
+            for dst in (k, v):
+                n = self._sock.recv_into(dst) if self._sock.getsockopt(zmq.RCVMORE) else -1
+                if n != dst.nbytes:
+                    self._recv_rest()
+                    self._end(t, f"layer {msg.layer}: a frame of {n} bytes for {dst.nbytes}")
+                    return True
+            if self._recv_rest():
+                self._end(t, f"layer {msg.layer}: more than 2 data frames")
+            elif checksum(k, v) != msg.checksum:
+                self._end(t, f"layer {msg.layer}: checksum mismatch")
+            else:
+                self._record(t, msg, k.nbytes)
+            return True
 
     def _handle(self, msg: m.Message) -> None:
         with self._lock:
@@ -297,7 +336,7 @@ class KVReceiver(KVConnector):
             else:
                 log.warning("unexpected %s on the KV socket", msg.TYPE)
 
-    def _take_layer(self, t: Transfer, msg: m.KVLayer) -> str | None:
+    def _check_piece(self, t: Transfer, msg: m.KVLayer) -> str | None:
         lay, T = t.layout, t.layout.num_tokens
         if not 0 <= msg.layer < lay.num_layers:
             return f"layer {msg.layer} is out of range [0, {lay.num_layers})"
@@ -306,24 +345,38 @@ class KVReceiver(KVConnector):
         for a, b in t.pieces[msg.layer]:
             if msg.start < b and a < msg.end:
                 return f"layer {msg.layer}: tokens [{msg.start}, {msg.end}) delivered twice"
+        return None
+
+    def _views(self, t: Transfer, msg: m.KVLayer):
+        """The staging bytes of the piece's K rows and V rows (numpy views)."""
+        lay = t.layout
         k_off, length = lay.run(msg.layer, 0, msg.start, msg.end)
         v_off, _ = lay.run(msg.layer, 1, msg.start, msg.end)
         base = self.arena.view(t.offset, lay.nbytes).numpy()
-        k, v = base[k_off : k_off + length], base[v_off : v_off + length]
-        if msg.inline:
-            data = msg.frames[0]
-            if len(data) != 2 * length:
-                return f"layer {msg.layer}: {len(data)} bytes for {2 * length}"
-            if checksum(data) != msg.checksum:
-                return f"layer {msg.layer}: checksum mismatch"
-            src = np.frombuffer(data, dtype=np.uint8)
-            k[:] = src[:length]
-            v[:] = src[length:]
-        elif checksum(k, v) != msg.checksum:
-            return f"layer {msg.layer}: checksum mismatch"
+        return base[k_off : k_off + length], base[v_off : v_off + length]
+
+    def _record(self, t: Transfer, msg: m.KVLayer, length: int) -> None:
         t.pieces[msg.layer].append((msg.start, msg.end))
         t.last_piece_time = time.monotonic()
         self.counters["bytes_received"] += 2 * length
+
+    def _take_layer(self, t: Transfer, msg: m.KVLayer) -> str | None:
+        err = self._check_piece(t, msg)
+        if err is not None:
+            return err
+        k, v = self._views(t, msg)
+        length = k.nbytes
+        if msg.inline:
+            dk, dv = msg.frames
+            if len(dk) != length or len(dv) != length:
+                return f"layer {msg.layer}: {len(dk)} + {len(dv)} bytes for 2 x {length}"
+            if checksum(dk, dv) != msg.checksum:
+                return f"layer {msg.layer}: checksum mismatch"
+            k[:] = np.frombuffer(dk, dtype=np.uint8)
+            v[:] = np.frombuffer(dv, dtype=np.uint8)
+        elif checksum(k, v) != msg.checksum:
+            return f"layer {msg.layer}: checksum mismatch"
+        self._record(t, msg, length)
         return None
 
     def _check_complete(self, t: Transfer, done: m.KVDone) -> str | None:

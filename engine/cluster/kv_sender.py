@@ -264,8 +264,9 @@ class KVSender(KVConnector):
                         self._fail(t, f"Mooncake write to {t.peer_address} failed")
                         continue
                     frames = m.encode(header)
-                    if header.inline:
-                        frames.append(parts[0])
+                    if header.inline:  # K rows, V rows: the receiver reads each into place
+                        half = parts[0].nbytes // 2
+                        frames += [parts[0][:half], parts[0][half:]]
                     nbytes = sum(p.nbytes for p in parts)
                 else:
                     frames, nbytes = item[2], 0

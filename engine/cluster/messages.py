@@ -163,7 +163,7 @@ class Abort(Message):
 
 @dataclass(frozen=True)
 class KVLayer(Message):
-    """Tokens [start, end) of one layer (K rows, then V rows); one frame over TCP."""
+    """Tokens [start, end) of one layer; over TCP two frames follow (K rows, V rows)."""
 
     TYPE = "kv_layer"
     request_id: str
@@ -171,10 +171,10 @@ class KVLayer(Message):
     start: int
     end: int
     checksum: int  # crc32 of the K bytes then the V bytes
-    inline: bool  # the bytes follow as frame 1 (TCP); else they lie in the staging area
+    inline: bool  # the bytes follow as frames 1 and 2 (TCP); else they lie in the staging area
 
     def expected_frames(self) -> int:
-        return 1 if self.inline else 0
+        return 2 if self.inline else 0
 
 
 @dataclass(frozen=True)
@@ -233,8 +233,9 @@ def encode(msg: Message) -> list:
     return [msgpack.packb(header, use_bin_type=True), *msg.frames]
 
 
-def decode(frames: list) -> Message:
-    """A message from raw frames; MessageError naming the problem if they are not one."""
+def decode(frames: list, check_frames: bool = True) -> Message:
+    """A message from raw frames; MessageError naming the problem if they are not one.
+    ``check_frames=False`` decodes a header alone (its data frames are read separately)."""
     if not frames:
         raise MessageError("empty message")
     if len(frames) > MAX_FRAMES:
@@ -271,7 +272,7 @@ def decode(frames: list) -> Message:
     if extra:
         raise MessageError(f"{cls.TYPE}: unknown fields {sorted(map(str, extra))}")
     msg = cls(**kwargs, frames=tuple(frames[1:]))
-    if len(msg.frames) != msg.expected_frames():
+    if check_frames and len(msg.frames) != msg.expected_frames():
         raise MessageError(
             f"{cls.TYPE}: expected {msg.expected_frames()} data frame(s), got {len(msg.frames)}"
         )

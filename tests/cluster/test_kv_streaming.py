@@ -223,7 +223,9 @@ def send_layers(rx, arena, t, layers, order_seed, inline, tamper=None):
             raw[0] ^= 1
             if not inline:
                 arena.buf[t.offset + t.layout.run(layer, 0, a, b)[0]] ^= 1
-        msg = m.KVLayer("r", layer, a, b, crc, inline, frames=(raw.tobytes(),) if inline else ())
+        half = raw.nbytes // 2
+        frames = (raw[:half].tobytes(), raw[half:].tobytes()) if inline else ()
+        msg = m.KVLayer("r", layer, a, b, crc, inline, frames=frames)
         push.send_multipart(m.encode(msg))
     push.send_multipart(m.encode(m.KVDone("r", T, L, 0, [{"index": 0, "token": 1}])))
     push.close(linger=5000)

@@ -36,7 +36,7 @@ SAMPLES = [
     m.DecodeRequest("r1", [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}, 30.0),
     m.PrefillRequest("r1", [1, 2, 3], {"n": 2}, "d0", "tcp://h:1", "tcp", "", 0, 96),
     m.Abort("r1"),
-    m.KVLayer("r1", 3, 0, 16, 0xDEADBEEF, True, frames=(b"\x00" * 32,)),
+    m.KVLayer("r1", 3, 0, 16, 0xDEADBEEF, True, frames=(b"\x00" * 16, b"\x01" * 16)),
     m.KVLayer("r1", 29, 16, 17, 1, False),
     m.KVDone(
         "r1",
@@ -97,7 +97,7 @@ def header(**fields) -> bytes:
                     t="kv_layer", request_id="r", layer=0, start=0, end=1, checksum=0, inline=True
                 )
             ],
-            "expected 1 data frame",
+            "expected 2 data frame",
         ),
         (
             [
