@@ -34,14 +34,15 @@ def run_twice(spec: str):
         assert llm.reset_prefix_cache() > 0
         second = llm.generate(PROMPT, GREEDY)[0]
         llm.engine.check_integrity()
-        stats = llm.engine.metrics_snapshot().kv_pool
-    return first, second, stats
+        snapshot = llm.engine.metrics_snapshot()
+    return first, second, snapshot
 
 
 @pytest.mark.parametrize("tier", ["dram", "ssd"])
 def test_prefix_from_tier_matches_recompute(tier, tmp_path, reference):
     spec = "dram=32MiB" if tier == "dram" else f"ssd={tmp_path}:32MiB"
-    first, second, stats = run_twice(spec)
+    first, second, snapshot = run_twice(spec)
+    stats = snapshot.kv_pool
     assert first.outputs[0].token_ids == reference
     assert first.metrics.num_computed_prompt_tokens == 150
     assert second.outputs[0].token_ids == reference
@@ -50,6 +51,20 @@ def test_prefix_from_tier_matches_recompute(tier, tmp_path, reference):
     assert second.metrics.num_computed_prompt_tokens == 6  # only the tail ran
     assert stats["tiers"][tier]["hits"] >= 9
     assert stats["loaded_blocks"] == 9 and stats["failed_loads"] == 0
+    text = scrape(snapshot)
+    assert f'engine:kv_pool_hits_total{{model_name="m",tier="{tier}"}} 9.0' in text
+    assert 'engine:kv_pool_loads_total{model_name="m"} 1.0' in text
+    assert f'engine:kv_pool_written_bytes_total{{model_name="m",tier="{tier}"}}' in text
+
+
+def scrape(snapshot) -> str:
+    from engine.server.prometheus import EngineCollector, make_registry, render
+
+    class Source:
+        def metrics(self):
+            return snapshot
+
+    return render(make_registry(EngineCollector(Source(), "m"))).decode()
 
 
 RESTARTED = textwrap.dedent(
