@@ -59,7 +59,10 @@ class Cluster:
         threads: int = 1,
         env: dict[str, str] | None = None,
         start_timeout: float = 300.0,
+        pool_service: str | None = None,
     ) -> None:
+        """pool_service: "dram=SIZE[,ssd=PATH:SIZE]": one pool service for the host (``engine pool
+        serve``), which every worker uses as its KV pool (``--kv-pool tcp://...``)."""
         from dataclasses import replace
 
         from engine.cluster.router import Router, RouterConfig
@@ -76,7 +79,13 @@ class Cluster:
         self.env = env
         self.procs: dict[str, subprocess.Popen] = {}
         self.pids: list[int] = []  # every worker ever started (their staging files go at stop)
+        self.pool_address = ""
         try:
+            if pool_service:
+                if any(a == "--kv-pool" for a in self.worker_args):
+                    raise ValueError("give either --pool-service or --kv-pool, not both")
+                self.pool_address = self._start_pool(pool_service, start_timeout)
+                self.worker_args += ["--kv-pool", self.pool_address]
             for i in range(prefill):
                 self.start_worker("prefill", f"prefill-{i}")
             for i in range(decode):
@@ -85,6 +94,31 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
+
+    def _start_pool(self, spec: str, timeout: float) -> str:
+        args = []
+        for part in spec.split(","):
+            key, _, value = part.strip().partition("=")
+            if key not in ("dram", "ssd") or not value:
+                raise ValueError(
+                    f"--pool-service takes dram=SIZE and ssd=PATH:SIZE, got {part.strip()!r}"
+                )
+            args += [f"--{key}", value]
+        port = free_port()
+        cmd = [sys.executable, "-m", "engine", "pool", "serve", *args, "--port", str(port)]
+        proc = subprocess.Popen(cmd, env=dict(os.environ if self.env is None else self.env))
+        self.procs["pool"] = proc
+        deadline = time.monotonic() + timeout
+        while True:  # until it accepts connections
+            if proc.poll() is not None:
+                raise RuntimeError(f"the pool service exited with {proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return f"tcp://127.0.0.1:{port}"
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the pool service did not start") from None
+                time.sleep(0.2)
 
     def worker_command(self, role: str, worker_id: str) -> list[str]:
         return [
@@ -124,6 +158,7 @@ class Cluster:
     def stop(self, timeout: float = 20.0) -> None:
         from engine.cluster.transfer import remove_stale_arenas
 
+        pool = self.procs.pop("pool", None)
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -135,6 +170,14 @@ class Cluster:
                 proc.kill()
                 proc.wait(10)
         remove_stale_arenas(self.pids)
+        if pool is not None:  # after the workers: they may still write to it while draining
+            if pool.poll() is None:
+                pool.send_signal(signal.SIGTERM)
+            try:
+                pool.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pool.kill()
+                pool.wait(10)
         self.router.close()
 
     def __enter__(self) -> Cluster:

@@ -40,6 +40,12 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
     c.add_argument("--decode", type=int, default=1, help="decode workers")
     c.add_argument("--kv-staging-mb", type=int, default=1024)
     c.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to register")
+    c.add_argument(
+        "--pool-service",
+        default=None,
+        metavar="SPEC",
+        help='one KV pool service for the host, used by every worker: "dram=4GiB,ssd=PATH:50GiB"',
+    )
     _worker_common(c)
     _router_args(c)
     c.set_defaults(func=cmd_cluster)
@@ -168,6 +174,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         kv_transport=args.kv_transport,
         threads=args.threads,
         start_timeout=args.worker_timeout,
+        pool_service=args.pool_service,
     )
     try:
         return _serve(cluster.router, args)

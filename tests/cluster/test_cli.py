@@ -104,3 +104,36 @@ def test_roles_started_one_by_one_from_addresses():
             except subprocess.TimeoutExpired:
                 p.kill()
                 raise
+
+
+def test_pool_service_for_the_host():
+    """``--pool-service``: one pool service, every worker writes its blocks there."""
+    import asyncio
+    import json
+
+    from engine.cluster.launcher import Cluster
+
+    with Cluster(1, 1, worker_args=SMALL, pool_service="dram=64MiB") as c:
+
+        async def run():
+            async for out in c.router.generate(
+                list(range(1000, 1150)), SamplingParams(temperature=0, max_tokens=4)
+            ):
+                pass
+            return out
+
+        assert asyncio.run(run()).finished
+        deadline = time.monotonic() + 30
+        while True:
+            stats = subprocess.run(
+                [sys.executable, "-m", "engine", "pool", "stats", "--address", c.pool_address],
+                capture_output=True, text=True, env=env(),
+            )  # fmt: skip
+            text = stats.stdout
+            if '"blocks": 9' in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert '"blocks": 9' in text, text  # the prompt's 9 full blocks
+        json.loads(text)
+        pool = c.procs["pool"]
+    assert pool.poll() is not None  # stopped with the cluster
