@@ -138,9 +138,9 @@ class KVSender(KVConnector):
             if not t.stream_layers:
                 t.pending_table = s.block_table  # type: ignore[attr-defined]
                 continue
-            self._send_range(t, layer, s.block_table, upto)
             if layer == self.num_layers - 1 and upto == t.layout.num_tokens:
-                t.last_layer_time = time.monotonic()
+                t.last_layer_time = time.monotonic()  # the prefill's last layer just ended
+            self._send_range(t, layer, s.block_table, upto)
 
     def _send_all_layers(self, t: SendTarget, table: Sequence[int]) -> None:
         for layer in range(self.num_layers):

@@ -116,11 +116,11 @@ def test_pool_service_for_the_host():
     with Cluster(1, 1, worker_args=SMALL, pool_service="dram=64MiB") as c:
 
         async def run():
-            async for out in c.router.generate(
-                list(range(1000, 1150)), SamplingParams(temperature=0, max_tokens=4)
-            ):
-                pass
-            return out
+            last = None
+            params = SamplingParams(temperature=0, max_tokens=4)
+            async for out in c.router.generate(list(range(1000, 1150)), params):
+                last = out
+            return last
 
         assert asyncio.run(run()).finished
         deadline = time.monotonic() + 30
