@@ -557,6 +557,9 @@ class Router:
 
     def _on_register(self, identity: bytes, msg: m.Register, now: float) -> None:
         old = self.workers.get(msg.worker_id)
+        if old is not None and old.pid == msg.pid and old.state in ("up", "draining"):
+            old.identity, old.last_seen = identity, now  # a repeated registration
+            return
         if old is not None and old.state in ("up", "draining") and old.pid != msg.pid:
             self._on_death(old, "dead")  # restarted before its silence was noticed
         self.workers[msg.worker_id] = _Worker(

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 EVENT_KEYS = 1024  # keys per event message, as the pool service
+REGISTER_EVERY_S = 5.0  # registration repeated, so a restarted router finds its workers
 TRANSPORTS = ("shm", "tcp", "mooncake")
 
 
@@ -217,6 +218,7 @@ class Worker:
         poller.register(self._wake_pull, zmq.POLLIN)
         log.info("%s worker %s up (router %s)", self.cfg.role, self.worker_id, self.cfg.router)
         next_check = 0.0
+        next_register = time.monotonic() + REGISTER_EVERY_S
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
@@ -241,6 +243,9 @@ class Worker:
                         self.role.check_deadlines()
                 if self.engine.has_unfinished_requests():
                     self.role.after_step(self.engine.step())
+                if time.monotonic() >= next_register:  # a restarted router learns of us
+                    next_register = time.monotonic() + REGISTER_EVERY_S
+                    self._emit(self._register())
                 self._flush(ctl)
             self._flush(ctl)
             ctl.send_multipart(m.encode(m.Goodbye(self.worker_id)))
