@@ -1,4 +1,5 @@
-"""The command line: ``engine generate``, ``engine chat``, ``engine serve``, ``engine rpc``."""
+"""The command line: ``engine generate``, ``engine chat``, ``engine serve``, ``engine rpc``,
+``engine worker``, ``engine router``, ``engine cluster``."""
 
 from __future__ import annotations
 
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         pass
     else:
         add_server_commands(sub, _engine_args)
+        from engine.server.cluster_commands import add_cluster_commands
+
+        add_cluster_commands(sub, _engine_args)
 
     from engine.kvcache.pool_cli import add_pool_commands
 

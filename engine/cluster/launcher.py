@@ -1,0 +1,187 @@
+"""Starting a cluster on one host: the router in this process, N prefill and M decode workers as
+child processes (``engine worker --role ...`` on their command lines, so ``ps`` tells them
+apart), each with its own torch thread count. ``Cluster.stop`` (also on Ctrl-C or SIGTERM of
+``engine cluster``) terminates every child, kills what does not exit, and removes their staging
+files: no orphans."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+
+
+class ModelMeta(NamedTuple):
+    config: object  # ModelConfig
+    tokenizer: object
+    path: str
+
+
+def load_model_meta(model: str) -> ModelMeta:
+    """The model's config and tokenizer without its weights (the router computes nothing)."""
+    from engine.gguf_loader import load_gguf_checkpoint
+    from engine.hf_loader import load_hf_checkpoint
+    from engine.model_loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"{path}: name one .gguf file")
+        path = os.path.join(path, ggufs[0])
+    ckpt = load_hf_checkpoint(path) if os.path.isdir(path) else load_gguf_checkpoint(path)
+    return ModelMeta(ckpt.config, ckpt.tokenizer, path)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """The router (in this process) and its worker processes."""
+
+    def __init__(
+        self,
+        prefill: int = 1,
+        decode: int = 1,
+        worker_args: list[str] | None = None,
+        router_config=None,
+        kv_transport: str = "shm",
+        threads: int = 1,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 300.0,
+        pool_service: str | None = None,
+    ) -> None:
+        """pool_service: "dram=SIZE[,ssd=PATH:SIZE]": one pool service for the host (``engine pool
+        serve``), which every worker uses as its KV pool (``--kv-pool tcp://...``)."""
+        from dataclasses import replace
+
+        from engine.cluster.router import Router, RouterConfig
+
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"--prefill and --decode must be >= 1, got {prefill} and {decode}")
+        cfg = router_config or RouterConfig()
+        if cfg.address.endswith(":0"):
+            cfg = replace(cfg, address=f"tcp://127.0.0.1:{free_port()}")
+        self.router = Router(cfg)
+        self.worker_args = list(worker_args or [])
+        self.kv_transport = kv_transport
+        self.threads = threads
+        self.env = env
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.pids: list[int] = []  # every worker ever started (their staging files go at stop)
+        self.pool_address = ""
+        try:
+            if pool_service:
+                if any(a == "--kv-pool" for a in self.worker_args):
+                    raise ValueError("give either --pool-service or --kv-pool, not both")
+                self.pool_address = self._start_pool(pool_service, start_timeout)
+                self.worker_args += ["--kv-pool", self.pool_address]
+            for i in range(prefill):
+                self.start_worker("prefill", f"prefill-{i}")
+            for i in range(decode):
+                self.start_worker("decode", f"decode-{i}")
+            self.router.wait_for_workers(prefill, decode, start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_pool(self, spec: str, timeout: float) -> str:
+        args = []
+        for part in spec.split(","):
+            key, _, value = part.strip().partition("=")
+            if key not in ("dram", "ssd") or not value:
+                raise ValueError(
+                    f"--pool-service takes dram=SIZE and ssd=PATH:SIZE, got {part.strip()!r}"
+                )
+            args += [f"--{key}", value]
+        port = free_port()
+        cmd = [sys.executable, "-m", "engine", "pool", "serve", *args, "--port", str(port)]
+        proc = subprocess.Popen(cmd, env=dict(os.environ if self.env is None else self.env))
+        self.procs["pool"] = proc
+        deadline = time.monotonic() + timeout
+        while True:  # until it accepts connections
+            if proc.poll() is not None:
+                raise RuntimeError(f"the pool service exited with {proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return f"tcp://127.0.0.1:{port}"
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the pool service did not start") from None
+                time.sleep(0.2)
+
+    def worker_command(self, role: str, worker_id: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "engine",
+            "worker",
+            "--role",
+            role,
+            "--router",
+            self.router.address,
+            "--worker-id",
+            worker_id,
+            "--kv-transport",
+            self.kv_transport,
+            "--threads",
+            str(self.threads),
+            *self.worker_args,
+        ]
+
+    def start_worker(self, role: str, worker_id: str) -> subprocess.Popen:
+        """Start (or restart, under the same name) a worker process."""
+        from engine.cluster.transfer import remove_stale_arenas
+
+        old = self.procs.get(worker_id)
+        if old is not None:
+            if old.poll() is None:
+                raise ValueError(f"worker {worker_id} is still running (pid {old.pid})")
+            remove_stale_arenas([old.pid])
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        proc = subprocess.Popen(self.worker_command(role, worker_id), env=env)
+        self.procs[worker_id] = proc
+        self.pids.append(proc.pid)
+        return proc
+
+    def stop(self, timeout: float = 20.0) -> None:
+        from engine.cluster.transfer import remove_stale_arenas
+
+        pool = self.procs.pop("pool", None)
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        remove_stale_arenas(self.pids)
+        if pool is not None:  # after the workers: they may still write to it while draining
+            if pool.poll() is None:
+                pool.send_signal(signal.SIGTERM)
+            try:
+                pool.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pool.kill()
+                pool.wait(10)
+        self.router.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

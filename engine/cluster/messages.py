@@ -1,0 +1,320 @@
+"""The cluster's typed messages: a msgpack header map plus raw frames for bytes (never pickle).
+
+Socket roles (fixed):
+
+- router ROUTER <- worker DEALER (control): ``Register``, ``Outputs``, ``DecodeReady``,
+  ``TransferFailed``, ``RequestError``, ``Goodbye`` up; ``PrefillRequest``, ``DecodeRequest``,
+  ``Abort`` down. A second DEALER per worker carries only ``Heartbeat`` (its own thread, so a
+  long forward never delays one).
+- worker PUB -> router SUB: block events, ``{"type": "stored"|"removed", "namespace": hex,
+  "keys": [...], "source": worker id}`` (the pool service's format, one msgpack map per message).
+- prefill PUSH -> decode PULL (KV): ``KVLayer`` (the layer's bytes as one raw frame over TCP;
+  no frame over shared memory, where they already lie in the decode worker's staging area),
+  ``KVDone`` (first tokens and sampler state; one raw frame per seeded generator), ``KVAbort``.
+
+Wire form: frame 0 is ``{"t": TYPE, field: value, ...}``; frames 1.. are the message's
+``frames``. ``decode`` checks everything a peer could get wrong (sizes, the type, every field's
+type, the number of frames) and raises ``MessageError`` naming it; it never raises anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgpack
+
+MAX_HEADER_BYTES = 1 << 20  # a header holds token ids (a long prompt is ~100k ints)
+MAX_FRAME_BYTES = 1 << 30  # one layer of one chunk of KV
+MAX_FRAMES = 64
+
+
+class MessageError(ValueError):
+    """A frame that is not a valid message (the peer is told; nothing else is disturbed)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    frames: tuple[bytes | memoryview, ...] = field(default=(), kw_only=True)
+
+    TYPE: typing.ClassVar[str] = ""
+
+    def expected_frames(self) -> int:
+        return 0
+
+
+# -- control: worker -> router -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    TYPE = "register"
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    pid: int
+    model: str
+    max_model_len: int
+    kv_address: str  # decode: the PULL endpoint prefill workers push KV to; prefill: ""
+    shm_path: str  # decode: its staging arena file ("" when it has none)
+    transport: str  # "shm" | "tcp"
+    host: str  # hostname, so the router can tell which workers share memory
+    events_address: str = ""  # its PUB socket of block events (the pool service's format)
+    mooncake_address: str = ""  # decode over Mooncake: its Transfer Engine's address
+    arena_addr: int = 0  # and the staging arena's registered base address
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    TYPE = "heartbeat"
+    worker_id: str
+    state: str  # "up" | "draining"
+    running: int
+    waiting: int
+    kv_usage: float
+    used_blocks: int
+    staging_used: int  # bytes of the staging arena held by transfers (decode)
+    transfers: int  # transfers in flight (decode: receiving; prefill: sending)
+
+
+@dataclass(frozen=True)
+class Goodbye(Message):
+    TYPE = "goodbye"
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class DecodeReady(Message):
+    TYPE = "decode_ready"
+    request_id: str
+    offset: int  # of the request's staging area in the arena
+    nbytes: int
+    error: str | None = None  # staging full, draining...
+
+
+@dataclass(frozen=True)
+class Outputs(Message):
+    """Tokens of one request, per choice: ``{"index", "offset", "token_ids", "text_offset",
+    "text", "logprobs", "finish_reason", "stop_reason"}``; offsets say where in the choice's
+    tokens and text this delta starts, so a repeated delta (a recompute) is dropped."""
+
+    TYPE = "outputs"
+    request_id: str
+    worker_id: str
+    outputs: list[dict]
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TransferFailed(Message):
+    TYPE = "transfer_failed"
+    request_id: str
+    reason: str
+    recompute: bool  # the decode worker prefills the prompt itself (policy "recompute")
+
+
+@dataclass(frozen=True)
+class RequestError(Message):
+    TYPE = "request_error"
+    request_id: str
+    worker_id: str
+    code: int  # HTTP-like: 400 bad input, 429/503 retry elsewhere, 500
+    message: str
+
+
+# -- control: router -> worker -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeRequest(Message):
+    TYPE = "decode_request"
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict
+    deadline_s: float  # seconds the transfer may take before the failure policy applies
+
+
+@dataclass(frozen=True)
+class PrefillRequest(Message):
+    TYPE = "prefill_request"
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict
+    decode_id: str
+    kv_address: str
+    transport: str  # "shm" | "tcp"
+    shm_path: str
+    offset: int
+    nbytes: int
+    stream_layers: bool = True  # False: every layer leaves after the prefill (benchmarks)
+    peer_address: str = ""  # mooncake: the decode worker's Transfer Engine
+    peer_base: int = 0  # mooncake: its staging arena's address
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    TYPE = "abort"
+    request_id: str
+
+
+# -- KV: prefill -> decode ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVLayer(Message):
+    """Tokens [start, end) of one layer; over TCP two frames follow (K rows, V rows)."""
+
+    TYPE = "kv_layer"
+    request_id: str
+    layer: int
+    start: int
+    end: int
+    checksum: int  # crc32 of the K bytes then the V bytes
+    inline: bool  # the bytes follow as frames 1 and 2 (TCP); else they lie in the staging area
+
+    def expected_frames(self) -> int:
+        return 2 if self.inline else 0
+
+
+@dataclass(frozen=True)
+class KVDone(Message):
+    """Every layer of every chunk was sent. ``firsts``: per choice the first token, sampled on
+    the prefill side, and the state that continues it: ``{"index", "token", "logprob",
+    "finish_reason", "stop_reason", "text", "sent_text_len", "text_limit", "generator"}``
+    (``generator``: its state follows as the next raw frame)."""
+
+    TYPE = "kv_done"
+    request_id: str
+    num_tokens: int
+    num_layers: int
+    num_cached_tokens: int
+    firsts: list[dict]
+
+    def expected_frames(self) -> int:
+        return sum(1 for f in self.firsts if isinstance(f, dict) and f.get("generator"))
+
+
+@dataclass(frozen=True)
+class KVAbort(Message):
+    TYPE = "kv_abort"
+    request_id: str
+    reason: str
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Register,
+        Heartbeat,
+        Goodbye,
+        DecodeReady,
+        Outputs,
+        TransferFailed,
+        RequestError,
+        DecodeRequest,
+        PrefillRequest,
+        Abort,
+        KVLayer,
+        KVDone,
+        KVAbort,
+    )
+}
+
+
+# -- encoding ----------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> list:
+    header = {"t": msg.TYPE}
+    for f in dataclasses.fields(msg):
+        if f.name != "frames":
+            header[f.name] = getattr(msg, f.name)
+    return [msgpack.packb(header, use_bin_type=True), *msg.frames]
+
+
+def decode(frames: list, check_frames: bool = True) -> Message:
+    """A message from raw frames; MessageError naming the problem if they are not one.
+    ``check_frames=False`` decodes a header alone (its data frames are read separately)."""
+    if not frames:
+        raise MessageError("empty message")
+    if len(frames) > MAX_FRAMES:
+        raise MessageError(f"too many frames: {len(frames)} > {MAX_FRAMES}")
+    head = frames[0]
+    if len(head) > MAX_HEADER_BYTES:
+        raise MessageError(f"header of {len(head)} bytes is over the limit of {MAX_HEADER_BYTES}")
+    for i, f in enumerate(frames[1:], 1):
+        if len(f) > MAX_FRAME_BYTES:
+            raise MessageError(f"frame {i} of {len(f)} bytes is over the limit {MAX_FRAME_BYTES}")
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise MessageError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise MessageError(f"header must be a map, got {type(header).__name__}")
+    cls = MESSAGES.get(header.get("t"))  # type: ignore[arg-type]
+    if cls is None:
+        raise MessageError(f"unknown message type {header.get('t')!r}")
+    hints = _hints(cls)
+    kwargs = {}
+    for name, hint in hints.items():
+        if name not in header:
+            if _has_default(cls, name):
+                continue
+            raise MessageError(f"{cls.TYPE}: field {name!r} is missing")
+        value = header[name]
+        if not _check(value, hint):
+            raise MessageError(
+                f"{cls.TYPE}: field {name!r} must be {_describe(hint)}, got {type(value).__name__}"
+            )
+        kwargs[name] = value
+    extra = set(header) - set(hints) - {"t"}
+    if extra:
+        raise MessageError(f"{cls.TYPE}: unknown fields {sorted(map(str, extra))}")
+    msg = cls(**kwargs, frames=tuple(frames[1:]))
+    if check_frames and len(msg.frames) != msg.expected_frames():
+        raise MessageError(
+            f"{cls.TYPE}: expected {msg.expected_frames()} data frame(s), got {len(msg.frames)}"
+        )
+    return msg
+
+
+_HINTS: dict[type, dict[str, object]] = {}
+
+
+def _hints(cls: type) -> dict[str, object]:
+    if cls not in _HINTS:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "frames"}
+    return _HINTS[cls]
+
+
+def _has_default(cls: type, name: str) -> bool:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+def _check(value: object, hint: object) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_check(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict:
+        return isinstance(value, dict)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_check(v, item) for v in value)
+    raise TypeError(f"unsupported field type {hint!r}")
+
+
+def _describe(hint: object) -> str:
+    return getattr(hint, "__name__", None) or str(hint)

@@ -1,0 +1,357 @@
+"""The KV path in one process, with the real default model: a prefill engine streams layer by
+layer (shared memory and TCP) into a decode engine's receiver, which admits the request after
+its first token; outputs equal the colocated engine's (greedy, chunked prefill, seeded n > 1
+with logprobs, stop at the first token). The receiver takes layers in any order exactly once and
+fails transfers that are corrupt, incomplete, duplicated or late."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+import zmq
+from test_engine_scheduling import make_engine, run_all
+
+from engine.cluster import messages as m
+from engine.cluster.kv_receiver import KVReceiver
+from engine.cluster.kv_sender import KVSender
+from engine.cluster.roles import DecodeRole, PrefillRole, params_to_wire
+from engine.cluster.transfer import KVLayout, StagingArena, checksum
+from engine.sampling_params import SamplingParams
+
+PROMPT = list(range(1000, 1000 + 150))
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, logprobs=3, max_tokens=10)
+
+
+class Pair:
+    """A prefill role and a decode role wired as the router would, in one process."""
+
+    def __init__(self, transport: str, prefill_tokens: int = 2048, policy: str = "recompute"):
+        self.p_engine = make_engine(max_tokens=prefill_tokens)
+        self.d_engine = make_engine()
+        self.arena = StagingArena(64 << 20, shared=transport == "shm")
+        self.transport = transport
+        self.router: list[m.Message] = []
+        cache = self.d_engine.cache
+        self.receiver = KVReceiver(
+            cache.kv, self.d_engine.kv.block_size, self.arena, remote_writes=transport != "tcp"
+        )
+        self.peer, self.base, mc = "", 0, None
+        if transport == "mooncake":
+            from engine.cluster.transfer_mooncake import MooncakeEndpoint
+
+            d_mc, mc = MooncakeEndpoint(), MooncakeEndpoint()
+            self.peer, self.base = d_mc.address, d_mc.register(self.arena.buf)
+            self._keep = d_mc
+        self.sender = KVSender(self.p_engine.cache.kv, self.p_engine.kv.block_size, mooncake=mc)
+        for e, c in ((self.p_engine, self.sender), (self.d_engine, self.receiver)):
+            e.connector = c
+            e.scheduler.connector = c
+        self.prefill = PrefillRole(self.p_engine, self.sender, "p0", self.router.append)
+        self.decode = DecodeRole(self.d_engine, self.receiver, "d0", self.router.append, policy)
+
+    def run(self, rid: str, prompt, params, corrupt=None, timeout=60.0):
+        wire = params_to_wire(params)
+        self.decode.handle(m.DecodeRequest(rid, prompt, wire, 30.0))
+        ready = self.router.pop()
+        assert isinstance(ready, m.DecodeReady) and ready.error is None
+        self.prefill.handle(
+            m.PrefillRequest(
+                rid,
+                prompt,
+                wire,
+                "d0",
+                self.receiver.address,
+                self.transport,
+                self.arena.path,
+                ready.offset,
+                ready.nbytes,
+                peer_address=self.peer,
+                peer_base=self.base,
+            )
+        )
+        while self.p_engine.has_unfinished_requests():
+            self.prefill.after_step(self.p_engine.step())
+        if corrupt is not None:
+            corrupt(self)
+        deadline = time.monotonic() + timeout
+        while True:  # the receiver thread reports the transfer
+            try:
+                self.decode.on_transfer(self.receiver.events.get(timeout=0.1))
+                break
+            except Exception:
+                self.decode.check_deadlines()
+                assert time.monotonic() < deadline
+        while self.d_engine.has_unfinished_requests():
+            self.decode.after_step(self.d_engine.step())
+        return assemble(self.router, rid, params.n)
+
+    def close(self):
+        self.sender.close()
+        self.receiver.close()
+        self.arena.close()
+
+
+def assemble(msgs, rid, n):
+    """Tokens and text per choice from the Outputs messages (as the router does)."""
+    toks = [[] for _ in range(n)]
+    text = ["" for _ in range(n)]
+    lps = [[] for _ in range(n)]
+    for msg in msgs:
+        if isinstance(msg, m.Outputs) and msg.request_id == rid:
+            for o in msg.outputs:
+                i = o["index"]
+                skip = len(toks[i]) - o["offset"]
+                toks[i] += o["token_ids"][skip:]
+                if o["logprobs"]:
+                    lps[i] += [lp[0] for lp in o["logprobs"][skip:]]
+                text[i] += o["text"][len(text[i]) - o["text_offset"] :]
+    return toks, text, lps
+
+
+def colocated(params, prompt=PROMPT):
+    out = run_all(make_engine(), [prompt], params)[0]
+    return (
+        [c.token_ids for c in out.outputs],
+        [c.text for c in out.outputs],
+        [[lp.token_id for lp in c.logprobs] if c.logprobs else [] for c in out.outputs],
+    )
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return {"greedy": colocated(GREEDY), "seeded": colocated(SEEDED)}
+
+
+@pytest.mark.slow  # tests/cluster/test_cluster.py covers the default path end to end
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_streamed_kv_matches_colocated(expected, transport):
+    pair = Pair(transport, prefill_tokens=64)  # 150 tokens: chunks of 64, 64, 22
+    try:
+        assert pair.run("g", PROMPT, GREEDY) == expected["greedy"]
+        assert pair.run("s", PROMPT, SEEDED) == expected["seeded"]
+        # Every prompt token came over the wire (nothing recomputed on the decode side).
+        assert pair.d_engine.metrics.computed_prompt_tokens == 0
+        # The first request: 3 chunks x 30 layers. The second found 144 tokens in the prefill
+        # worker's prefix cache: they left with its only chunk's layers (30 more).
+        assert pair.sender.counters["layers_sent"] == 3 * 30 + 30
+        assert not any(isinstance(x, m.TransferFailed) for x in pair.router)
+        for e in (pair.p_engine, pair.d_engine):
+            e.check_integrity()
+            assert e.kv.pool.counts().used == 0
+        assert pair.arena.used == 0
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", pytest.param("fail", marks=pytest.mark.slow)])
+def test_corrupt_layer_follows_policy(expected, policy):
+    pair = Pair("shm", policy=policy)
+    try:
+        # A request that ends at its first token never reaches the decode engine; its staging
+        # area is freed all the same.
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        assert len(pair.run("one", PROMPT[:40], one)[0][0]) == 1
+        assert not pair.d_engine.has_unfinished_requests() and pair.arena.used == 0
+
+        # Corrupt layer 3's staged bytes just before the receiver checks them.
+        orig = pair.receiver._take_layer
+
+        def take(t, msg):
+            if msg.layer == 3:
+                pair.arena.buf[t.offset + t.layout.run(3, 0, 0, 1)[0]] ^= 0xFF
+            return orig(t, msg)
+
+        pair.receiver._take_layer = take
+        toks, _, _ = pair.run("c", PROMPT, GREEDY)
+        failed = [x for x in pair.router if isinstance(x, m.TransferFailed)]
+        assert len(failed) == 1 and "layer 3: checksum mismatch" in failed[0].reason
+        if policy == "recompute":
+            assert failed[0].recompute
+            assert toks == expected["greedy"][0]  # the decode worker prefilled it itself
+            assert pair.d_engine.metrics.computed_prompt_tokens == len(PROMPT)
+        else:
+            assert not failed[0].recompute and toks[0] == expected["greedy"][0][0][:1]
+        assert pair.arena.used == 0
+        pair.d_engine.check_integrity()
+    finally:
+        pair.close()
+
+
+# -- the receiver alone, with synthetic layers ---------------------------------------------------
+
+L, NB, BS, H, D = 3, 8, 4, 2, 4
+
+
+def synthetic(transport):
+    kv = torch.zeros(L, 2, NB, BS, H, D)
+    arena = StagingArena(1 << 20, shared=transport == "shm")
+    return kv, arena, KVReceiver(kv, BS, arena)
+
+
+def send_layers(rx, arena, t, layers, order_seed, inline, tamper=None):
+    """Layers as (layer, start, end) with data = a known function of position."""
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(rx.address)
+    T = t.layout.num_tokens
+    full = torch.arange((L + 1) * 2 * (T + 2) * H * D, dtype=torch.float32)
+    full = full.view(L + 1, 2, T + 2, H, D)
+    items = list(layers)
+    random.Random(order_seed).shuffle(items)
+    for layer, a, b in items:
+        data = full[layer, :, a:b].contiguous()
+        raw = data.numpy().view("u1").reshape(-1)
+        if not inline and layer < L and b <= T:  # a bad descriptor alone for the rest
+            for kv in (0, 1):
+                off, n = t.layout.run(layer, kv, a, b)
+                arena.buf[t.offset + off : t.offset + off + n] = torch.from_numpy(
+                    raw[kv * n : (kv + 1) * n].copy()
+                )
+        crc = checksum(raw)
+        if tamper == (layer, a):
+            raw = raw.copy()
+            raw[0] ^= 1
+            if not inline:
+                arena.buf[t.offset + t.layout.run(layer, 0, a, b)[0]] ^= 1
+        half = raw.nbytes // 2
+        frames = (raw[:half].tobytes(), raw[half:].tobytes()) if inline else ()
+        msg = m.KVLayer("r", layer, a, b, crc, inline, frames=frames)
+        push.send_multipart(m.encode(msg))
+    push.send_multipart(m.encode(m.KVDone("r", T, L, 0, [{"index": 0, "token": 1}])))
+    push.close(linger=5000)
+    return full
+
+
+def wait_event(rx):
+    return rx.events.get(timeout=10)
+
+
+CHUNKS = [(layer, a, b) for layer in range(L) for a, b in ((0, 5), (5, 9), (9, 10))]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_layer_once_in_any_order(transport, seed):
+    kv, arena, rx = synthetic(transport)
+    try:
+        t = rx.expect("r", 10, 30.0)
+        full = send_layers(rx, arena, t, CHUNKS, seed, inline=transport == "tcp")
+        assert wait_event(rx) == "r" and t.ok, t.error
+        rx.admit("r", ["r"])
+
+        class Req:
+            request_id, num_tokens = "r", 11
+
+        assert rx.lookup(Req, [], 0) == 10
+        table = [5, 2, 7]  # tokens 0-3 -> block 5, 4-7 -> 2, 8-9 -> 7
+        rx.start_load(Req, table, 0, 10)
+        (done,) = rx.finished_loads()
+        assert done.num_tokens == 10 and done.error is None
+        for tok in range(10):
+            blk, off = table[tok // BS], tok % BS
+            assert torch.equal(kv[:, :, blk, off], full[:L, :, tok])
+        assert arena.used == 0
+    finally:
+        rx.close()
+        arena.close()
+
+
+@pytest.mark.parametrize(
+    "chunks, tamper, words",
+    [
+        (CHUNKS + [(1, 5, 9)], None, "delivered twice"),
+        (CHUNKS + [(2, 3, 6)], None, "delivered twice"),
+        ([c for c in CHUNKS if c != (2, 5, 9)], None, "layer 2 is missing"),
+        (CHUNKS, (1, 5), "layer 1: checksum mismatch"),
+        (CHUNKS + [(3, 0, 5)], None, "layer 3 is out of range"),
+        (CHUNKS + [(0, 9, 11)], None, "out of range"),
+    ],
+)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_bad_transfers_fail(transport, chunks, tamper, words):
+    kv, arena, rx = synthetic(transport)
+    try:
+        t = rx.expect("r", 10, 30.0)
+        send_layers(rx, arena, t, chunks, 0, inline=transport == "tcp", tamper=tamper)
+        assert wait_event(rx) == "r"
+        assert not t.ok and words in t.error
+        rx.release("r")
+        deadline = time.monotonic() + 10  # freed once the sender's KVDone came (not before)
+        while arena.used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert arena.used == 0
+    finally:
+        rx.close()
+        arena.close()
+
+
+def test_deadline_expires_and_shm_area_waits_for_sender():
+    kv, arena, rx = synthetic("shm")
+    try:
+        t = rx.expect("r", 10, 0.05)
+        time.sleep(0.1)
+        assert rx.expire(time.monotonic()) == ["r"]
+        assert "deadline" in t.error
+        rx.release("r")
+        assert arena.used > 0  # the prefill worker might still write: quarantined
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(rx.address)
+        push.send_multipart(m.encode(m.KVAbort("r", "gave up")))
+        push.close(linger=5000)
+        deadline = time.monotonic() + 10
+        while arena.used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert arena.used == 0
+    finally:
+        rx.close()
+        arena.close()
+
+
+def test_arena_allocator_merges_free_runs():
+    arena = StagingArena(1024, shared=False)
+    a, b, c = (arena.alloc(256) for _ in range(3))
+    assert arena.alloc(512) is None
+    arena.free(b)
+    arena.free(a)
+    assert arena.alloc(512) == 0
+    arena.free(0)
+    arena.free(c)
+    assert arena.used == 0 and arena.alloc(1024) == 0
+    arena.close()
+    assert KVLayout(2, 3, 8).run(1, 1, 1, 3) == (((1 * 2 + 1) * 3 + 1) * 8, 16)
+
+
+@pytest.mark.parametrize("start, end", [(0, 10), (3, 10), (4, 8), (1, 3), (5, 12), (0, 12)])
+def test_gather_and_scatter_tokens_by_blocks_and_tokens(start, end):
+    from engine.cluster.transfer import gather_tokens, scatter_tokens
+
+    kv = torch.randn(L, 2, NB, BS, H, D)
+    table = torch.tensor([6, 1, 3], dtype=torch.long)
+    tok = torch.arange(start, end)
+    slots = table[tok // BS] * BS + tok % BS
+    want = kv.view(L, 2, NB * BS, H, D)[:, :, slots]
+    got = torch.empty(L, 2, end - start, H, D)
+    for layer in range(L):
+        for k in (0, 1):
+            gather_tokens(kv[layer, k], table, start, end, got[layer, k])
+    assert torch.equal(got, want)
+    dst = torch.zeros_like(kv)
+    scatter_tokens(got, dst, table, start)
+    assert torch.equal(dst.view(L, 2, NB * BS, H, D)[:, :, slots], want)
+    assert torch.count_nonzero(dst) == torch.count_nonzero(want)  # nothing else written
+
+
+@pytest.mark.slow
+def test_mooncake_transfer_engine_matches_colocated(expected):
+    pytest.importorskip("mooncake.engine")
+    pair = Pair("mooncake", prefill_tokens=64)
+    try:
+        assert pair.run("g", PROMPT, GREEDY) == expected["greedy"]
+        assert pair.d_engine.metrics.computed_prompt_tokens == 0
+        assert not any(isinstance(x, m.TransferFailed) for x in pair.router)
+    finally:
+        pair.close()
