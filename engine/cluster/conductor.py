@@ -34,7 +34,14 @@ from typing import NamedTuple
 from engine.cluster import placement as pl
 from engine.cluster.cost_model import PAPER, CostModel
 from engine.cluster.prefix_index import PrefixIndex
-from engine.cluster.rejection import REJECTIONS, DecodeState, pool_load, tbt_at, tbt_now
+from engine.cluster.rejection import (
+    REJECTIONS,
+    DecodeState,
+    pool_load,
+    tbt_at,
+    tbt_committed,
+    tbt_now,
+)
 from engine.cluster.time_models import PrefillTimeModel, TbtModel
 
 POLICIES = ("random", "round_robin", "load", "cache_aware", "kvcentric")
@@ -220,7 +227,9 @@ class Conductor:
             return _reject(request_id, pl.REJECT_NO_DECODE)
         est = self._choose_prefill(keys, prompt_len, now)
         tokens = prompt_len  # KV the decode instance will hold (output tokens come on top)
-        tbts = {d: tbt_now(s, self.tbt_model.predict, tokens) for d, s in self._decodes.items()}
+        tbts = {
+            d: tbt_committed(s, self.tbt_model.predict, tokens) for d, s in self._decodes.items()
+        }
         decode = min(self._decodes, key=lambda d: tbts[d])
         est_tbt = tbts[decode]
         reason = self._rejection(est.ttft_s, decode, tokens, now)

@@ -73,6 +73,16 @@ def tbt_now(state: DecodeState, predict, extra_tokens: int = 0) -> float:
     return predict(batch, tokens)
 
 
+def tbt_committed(state: DecodeState, predict, extra_tokens: int = 0) -> float:
+    """Estimated TBT once every request placed on the instance (running or still in prefill)
+    and one more of ``extra_tokens`` decode together: what the decode choice balances."""
+    batch = len(state.running) + len(state.incoming) + 1
+    tokens = state.running_tokens + state.incoming_tokens + extra_tokens
+    if state.over_capacity(batch, tokens):
+        return math.inf
+    return predict(batch, tokens)
+
+
 def tbt_at(state: DecodeState, predict, t: float, decode_time_s: float, extra_tokens: int = 0):
     """Estimated TBT of the instance at future time ``t``: running requests that started more
     than ``decode_time_s`` before t are gone, incoming ones due by t have joined."""
