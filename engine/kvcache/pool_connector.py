@@ -33,6 +33,7 @@ from engine.kvcache.connector import KVConnector, LoadDone
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_LOAD_WINDOW = 16  # blocks read per store call; cancellation is checked between windows
 
 
 @dataclass
@@ -201,20 +202,30 @@ class PoolConnector(KVConnector):
                 self._cv.notify_all()
 
     def _load(self, job: _LoadJob) -> None:
-        job.staging = torch.empty((len(job.keys), *self.block_shape), dtype=self.kv.dtype)
-        rows = job.staging.view(torch.uint8).numpy().reshape(len(job.keys), -1)
-        for j, key in enumerate(job.keys):
+        n = len(job.keys)
+        job.staging = torch.empty((n, *self.block_shape), dtype=self.kv.dtype)
+        rows = job.staging.view(torch.uint8).numpy().reshape(n, -1)
+        get_many = getattr(self.store, "get_many", None)  # reads SSD records ahead
+        for start in range(0, n, _LOAD_WINDOW):
             if job.cancelled:
                 return
+            keys = job.keys[start : start + _LOAD_WINDOW]
+            outs = [memoryview(rows[j]) for j in range(start, start + len(keys))]
             try:
-                tier = self.store.get_into(key, memoryview(rows[j]))
+                if get_many is not None:
+                    served = get_many(keys, outs)
+                else:
+                    served = [self.store.get_into(k, o) for k, o in zip(keys, outs)]
             except Exception as exc:  # a store must not raise; recompute if it does
-                tier, job.error = None, f"read failed: {exc}"
-            if tier is None:
-                job.error = job.error or f"block {j + 1} of {len(job.keys)} was not readable"
+                served, job.error = [], f"read failed: {exc}"
+            for tier in served:
+                if tier is None:
+                    break
+                job.loaded += 1
+                job.sources[tier] = job.sources.get(tier, 0) + self.block_size
+            if job.loaded < start + len(keys):
+                job.error = job.error or f"block {job.loaded + 1} of {n} was not readable"
                 return
-            job.loaded += 1
-            job.sources[tier] = job.sources.get(tier, 0) + self.block_size
 
     def _write_loop(self) -> None:
         while True:
