@@ -208,7 +208,7 @@ class Simulator:
         self.outcome: dict[str, str] = {}  # rid -> "completed" | "rejected_arrival" | ...
         self.ttft: dict[str, float] = {}
         self.tbt: dict[str, float] = {}  # FAST'25 metric: mean of the longest 10% intervals
-        self._intervals: list[np.ndarray] = []
+        self.intervals: dict[str, np.ndarray] = {}  # rid -> its token intervals
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.copied_blocks = 0
@@ -385,7 +385,7 @@ class Simulator:
 
     def _complete(self, d: _Decode, req: _Req, intervals: np.ndarray) -> None:
         if len(intervals):
-            self._intervals.append(intervals)
+            self.intervals[req.rid] = intervals
             k = max(1, len(intervals) // 10)
             top = (
                 np.partition(intervals, len(intervals) - k)[-k:]
@@ -472,7 +472,7 @@ class Simulator:
     def summary(self, wall_s: float) -> dict:
         done = [r for r, o in self.outcome.items() if o == "completed"]
         ttft = np.array([self.ttft[r] for r in done]) if done else np.zeros(1)
-        iv = np.concatenate(self._intervals) if self._intervals else np.zeros(1)
+        iv = np.concatenate(list(self.intervals.values())) if self.intervals else np.zeros(1)
         outcomes = list(self.outcome.values())
         cfg = self.cfg
         return {
