@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,6 +46,7 @@ from engine.cluster.rejection import (
 from engine.cluster.time_models import PrefillTimeModel, TbtModel
 
 POLICIES = ("random", "round_robin", "load", "cache_aware", "kvcentric")
+DECODE_WINDOW = 128  # decodes the uniform decode time t_d is the mean of
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,11 @@ class ConductorConfig:
     # Unstated in the papers ("currently adjusted manually"); swept in docs/reproduction.md.
     balancing_threshold: float = 1.5
     block_tokens: int = 512  # tokens per hashed block
-    decode_time_s: float = 0.0  # t_d of the prediction; 0: the running mean of measured decodes
+    decode_time_s: float = 0.0  # t_d of the prediction; 0: the mean of the recent decodes
     prior_decode_time_s: float = 10.0  # t_d until a decode has been measured
+    # Output tokens a request adds to its decode instance's KV, until finished requests report
+    # theirs (then their mean): the decode choice and the capacity check count prompt + this.
+    prior_output_tokens: int = 256
     seed: int = 0  # of the random policy
 
     def __post_init__(self) -> None:
@@ -65,6 +70,8 @@ class ConductorConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.rejection not in REJECTIONS:
             raise ValueError(f"rejection must be one of {REJECTIONS}, got {self.rejection!r}")
+        if self.prior_output_tokens < 0:
+            raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
         for f in ("ttft_slo_s", "tbt_slo_s", "prior_decode_time_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f} must be > 0, got {getattr(self, f)}")
@@ -136,8 +143,10 @@ class Conductor:
         self._prefill_est: dict[str, tuple[int, int]] = {}  # request -> (new, cached) tokens
         self._rng = random.Random(self.config.seed)
         self._rr = 0
-        self._decode_time_sum = 0.0
-        self._decode_count = 0
+        # Recent decode durations: under a changing load the decode time changes with the TBT.
+        self._decode_times: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self._output_sum = 0
+        self._output_count = 0
         self.copies_planned = 0
 
     # -- cluster membership and events ---------------------------------------------------------
@@ -226,7 +235,7 @@ class Conductor:
         if not self._decodes:
             return _reject(request_id, pl.REJECT_NO_DECODE)
         est = self._choose_prefill(keys, prompt_len, now)
-        tokens = prompt_len  # KV the decode instance will hold (output tokens come on top)
+        tokens = prompt_len + self.expected_output_tokens()  # KV it will hold on its decode
         tbts = {
             d: tbt_committed(s, self.tbt_model.predict, tokens) for d, s in self._decodes.items()
         }
@@ -290,12 +299,17 @@ class Conductor:
                 return holder
         raise AssertionError("a copy was planned from a holder that does not exist")
 
+    def expected_output_tokens(self) -> int:
+        if self._output_count == 0:
+            return self.config.prior_output_tokens
+        return round(self._output_sum / self._output_count)
+
     def decode_time_s(self) -> float:
         if self.config.decode_time_s > 0:
             return self.config.decode_time_s
-        if self._decode_count == 0:
+        if not self._decode_times:
             return self.config.prior_decode_time_s
-        return self._decode_time_sum / self._decode_count
+        return sum(self._decode_times) / len(self._decode_times)
 
     def _rejection(self, ttft_s: float, decode: str, tokens: int, now: float) -> str:
         cfg = self.config
@@ -344,7 +358,12 @@ class Conductor:
         if batch > 0 and step_s > 0 and math.isfinite(step_s):
             self.tbt_model.observe(batch, tokens, step_s)
 
-    def on_request_finished(self, request_id: str, now: float) -> None:
+    def on_request_finished(
+        self, request_id: str, now: float, output_tokens: int | None = None
+    ) -> None:
+        if output_tokens is not None and output_tokens >= 0:
+            self._output_sum += output_tokens
+            self._output_count += 1
         where = self._where.pop(request_id, None)
         self._prefill_est.pop(request_id, None)
         if where is None:
@@ -356,8 +375,7 @@ class Conductor:
         if state is not None:
             started = state.running.get(request_id)
             if started is not None:
-                self._decode_time_sum += now - started[1]
-                self._decode_count += 1
+                self._decode_times.append(now - started[1])
             state.drop(request_id)
 
     # -- views for tests, metrics and the simulator's plots ---------------------------------------

@@ -77,5 +77,8 @@ class Placer(Protocol):
     ) -> None:
         """A decode step of ``batch`` requests over ``tokens`` KV tokens took ``step_s``."""
 
-    def on_request_finished(self, request_id: str, now: float) -> None:
-        """Finished, aborted or refused by a worker: the request leaves every queue."""
+    def on_request_finished(
+        self, request_id: str, now: float, output_tokens: int | None = None
+    ) -> None:
+        """Finished, aborted or refused by a worker: the request leaves every queue
+        (``output_tokens``: how many it generated, when it completed)."""
