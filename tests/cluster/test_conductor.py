@@ -140,7 +140,8 @@ def test_tbt_rejection_at_and_just_below_the_slo_boundary():
     ptoks = 64 * BT
     probe = make("load", rejection="early", prefills=("A",), tbt_slo_s=10.0)
     _busy_decode(probe, 20, ptoks, 0.0)
-    tbt = probe.tbt_model.predict(21, 21 * ptoks)
+    # Each request holds its prompt and the output expected of it on the decode instance.
+    tbt = probe.tbt_model.predict(21, 21 * (ptoks + probe.expected_output_tokens()))
     for slo, accepted in ((tbt, True), (tbt * (1 - 1e-9), False)):
         c = make("load", rejection="early", prefills=("A",), tbt_slo_s=10.0)
         _busy_decode(c, 20, ptoks, 0.0)
@@ -218,8 +219,9 @@ def test_decode_choice_balances_load_and_finished_requests_leave():
     assert sorted(ds) == ["D1", "D1", "D2", "D2"]
     for i in range(4):
         c.on_prefill_done(f"r{i}", 1.0)
-        c.on_request_finished(f"r{i}", 2.0)
+        c.on_request_finished(f"r{i}", 2.0, output_tokens=100 + 10 * i)
     assert c.placed() == 0
+    assert c.expected_output_tokens() == 115  # measured outputs replace the prior
     for d in ("D1", "D2"):
         s = c.decode_state(d)
         assert not s.running and not s.incoming and s.running_tokens == 0
