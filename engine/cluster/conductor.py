@@ -20,7 +20,7 @@ in time (here: TTFT over the SLO at arrival; a decode worker may still refuse af
 ``early`` also refuses when the decode pool's load now would miss the TBT SLO; ``predicted``
 when the load predicted for the moment the prefill ends would.
 
-Pure: state changes only through the methods (see placement.Placer); the clock is an argument.
+Pure: state changes only through the methods (see decision.Placer); the clock is an argument.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.cluster import placement as pl
+from engine.cluster import decision as pl
 from engine.cluster.cost_model import PAPER, CostModel
 from engine.cluster.prefix_index import PrefixIndex
 from engine.cluster.rejection import (

@@ -10,7 +10,7 @@ import pytest
 
 from engine.cluster.conductor import Conductor, ConductorConfig
 from engine.cluster.cost_model import PAPER
-from engine.cluster.placement import REJECT_NO_DECODE, REJECT_TBT, REJECT_TTFT, BlockCopy
+from engine.cluster.decision import REJECT_NO_DECODE, REJECT_TBT, REJECT_TTFT, BlockCopy
 
 BT = PAPER.block_tokens
 

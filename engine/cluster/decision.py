@@ -1,10 +1,14 @@
-"""The placement interface between the router (or the simulator) and the Conductor.
+"""The Conductor's decisions and the full interface through which it is driven.
 
 The router owns the sockets and the clock; the placer owns the decisions. The router tells the
 placer what happens (instances up and down, published block events, a prefill done with its
 measured time, decode steps, a request finished) and asks it, once per request, where to run it.
 Every method takes ``now`` from the caller (seconds on any monotonic clock): the placer never
 reads a clock itself, so the simulator drives the same code on simulated time.
+
+The cluster's router today speaks the narrower ``engine.cluster.placement.Placement`` (one
+``place`` call, no lifecycle); ``conductor_placement.ConductorPlacement`` adapts the Conductor to
+it until the router reports the lifecycle through this ``Placer``.
 
 A placer is not thread-safe: the router calls it from its one event loop.
 """
