@@ -11,7 +11,7 @@ import pytest
 
 import engine.cluster.conductor as conductor_mod
 import engine.kvcache.eviction as eviction_mod
-from engine.cluster.cost_model import PAPER
+from engine.cluster.cost_model import PAPER, SMOLLM2_CPU
 from profiling import sim_cluster, simulate
 from profiling.sim_cluster import SimConfig, Simulator
 from profiling.sim_trace import TraceRequest, load_trace
@@ -78,23 +78,24 @@ def test_deterministic_for_a_seed(policy):
         assert strip(other) != strip(a)
 
 
-def test_zero_load_ttft_and_tbt_are_the_cost_models():
+@pytest.mark.parametrize("cost", [PAPER, SMOLLM2_CPU], ids=lambda c: c.name)
+def test_zero_load_ttft_and_tbt_are_the_cost_models(cost):
     first = TraceRequest(0, 0.0, 5 * 512 + 100, 50, (1, 2, 3, 4, 5, 6))
     # Arrives long after the first is done; shares its first four blocks.
     second = TraceRequest(1, 1000.0, 7 * 512, 20, (1, 2, 3, 4, 70, 71, 72))
-    sim, res = run(SimConfig(prefill=2, decode=2), [first, second])
+    sim, res = run(SimConfig(prefill=2, decode=2, cost_model=cost.name), [first, second])
     assert res["completed"] == 2
-    assert sim.ttft["0"] == pytest.approx(PAPER.prefill_s(first.input_len, 0), rel=1e-12)
+    assert sim.ttft["0"] == pytest.approx(cost.prefill_s(first.input_len, 0), rel=1e-12)
     cached = 4 * 512
-    assert sim.ttft["1"] == pytest.approx(PAPER.prefill_s(7 * 512 - cached, cached), rel=1e-12)
+    assert sim.ttft["1"] == pytest.approx(cost.prefill_s(7 * 512 - cached, cached), rel=1e-12)
     # Alone on its decode instance: every interval after the first is one step of batch 1.
     ivs = sim.intervals["0"]
     assert len(ivs) == first.output_len - 1
-    steps = [PAPER.decode_step_s(1, first.input_len + i) for i in range(1, len(ivs))]
+    steps = [cost.decode_step_s(1, first.input_len + i) for i in range(1, len(ivs))]
     np.testing.assert_allclose(ivs[1:], steps, rtol=1e-9)
     # The first interval: the streamed tail of the KV, then the first step.
-    tail = PAPER.stream_tail_s(first.input_len)
-    assert ivs[0] == pytest.approx(tail + PAPER.decode_step_s(1, first.input_len), rel=1e-9)
+    tail = cost.stream_tail_s(first.input_len)
+    assert ivs[0] == pytest.approx(tail + cost.decode_step_s(1, first.input_len), rel=1e-9)
 
 
 @pytest.mark.parametrize("rejection", ["none", "early", "predicted"])
@@ -112,6 +113,16 @@ def test_every_request_ends_exactly_once_under_overload(rejection):
         assert d.running == d.reserved == d.ctx == 0 and not d.waiting
     for p in sim.prefills.values():
         assert p.job is None and not p.queue
+
+
+def test_a_global_pool_is_a_copy_source():
+    # Every prefill writes its blocks to the pool; the Conductor hears the pool's events and
+    # may copy from it. Requests still end exactly once.
+    reqs = synthetic(300, rate=8.0, seed=5)
+    sim, res = run(SimConfig(prefill=3, decode=2, pool_blocks=500, cache_blocks=40), reqs)
+    assert res["completed"] + res["rejected"] == len(reqs)
+    assert sim.conductor.index.count("pool") == len(sim.pool.policy) > 0
+    assert res["copied_blocks"] > 0
 
 
 def test_colocated_prefill_stalls_the_running_decode():
