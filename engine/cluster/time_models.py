@@ -101,7 +101,7 @@ class TbtModel:
         prior: CostModel,
         window: int = 512,
         min_samples: int = 16,
-        refit_every: int = 32,
+        refit_every: int = 256,  # decode steps come every few ms: refit on a fresh window
     ) -> None:
         xs, ys = [], []
         for batch in (1, 2, 4, 8, 16, 32, 64, 128, prior.max_batch):
