@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import engine.cluster.conductor as conductor_mod
+import engine.cluster.conductor_placement as conductor_placement
 import engine.kvcache.eviction as eviction_mod
 from engine.cluster.cost_model import PAPER, SMOLLM2_CPU
 from profiling import sim_cluster, simulate
@@ -62,6 +63,7 @@ def test_it_runs_the_engines_conductor_and_eviction_policies():
     # Forking the Conductor (or the policies) into the simulator would make its results say
     # nothing about the cluster: it must use the very classes.
     assert sim_cluster.Conductor is conductor_mod.Conductor
+    assert conductor_placement.Conductor is conductor_mod.Conductor  # what the router wraps
     sim = Simulator(SimConfig(prefill=2, decode=1, eviction="lfu"), [])
     assert type(sim.conductor) is conductor_mod.Conductor
     assert type(sim.prefills["p0"].cache.policy) is eviction_mod.LfuPolicy
