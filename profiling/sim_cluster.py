@@ -396,7 +396,7 @@ class Simulator:
         else:
             self.tbt[req.rid] = 0.0
         if d.cache is None:
-            self.conductor.on_request_finished(req.rid, self.now)
+            self.conductor.on_request_finished(req.rid, self.now, req.tr.output_len)
         self._finish(req, "completed")
 
     # -- colocated instances ---------------------------------------------------------------------

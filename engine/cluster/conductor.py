@@ -236,11 +236,7 @@ class Conductor:
             return _reject(request_id, pl.REJECT_NO_DECODE)
         est = self._choose_prefill(keys, prompt_len, now)
         tokens = prompt_len + self.expected_output_tokens()  # KV it will hold on its decode
-        tbts = {
-            d: tbt_committed(s, self.tbt_model.predict, tokens) for d, s in self._decodes.items()
-        }
-        decode = min(self._decodes, key=lambda d: tbts[d])
-        est_tbt = tbts[decode]
+        decode, est_tbt = self._choose_decode(tokens, now + est.ttft_s)
         reason = self._rejection(est.ttft_s, decode, tokens, now)
         if reason:
             return _reject(request_id, reason, est.ttft_s, est_tbt)
@@ -292,6 +288,24 @@ class Conductor:
                     best = (n, holder)
         ests = [self.estimate(i, keys, prompt_len, now, best) for i in ids]
         return min(ests, key=lambda e: (e.ttft_s, e.queue_s))
+
+    def _choose_decode(self, tokens: int, t_ready: float) -> tuple[str, float]:
+        """The least loaded decode instance: with ``predicted`` rejection, by the TBT predicted
+        for when this request's prefill ends (``t_ready``); otherwise once every request placed
+        on it (running or still in prefill) and this one decode together. Load is ranked by TBT
+        without the capacity check, so instances that are all full still rank by how full.
+        Returns it and its committed TBT (inf if the request would not fit)."""
+        predict = self.tbt_model.predict
+        td = self.decode_time_s()
+        keys = {}
+        for d, s in self._decodes.items():
+            committed = tbt_committed(s, predict, tokens, capacity=False)
+            if self.config.rejection == "predicted":
+                keys[d] = (tbt_at(s, predict, t_ready, td, tokens, capacity=False), committed)
+            else:
+                keys[d] = (committed,)
+        decode = min(keys, key=keys.__getitem__)
+        return decode, tbt_committed(self._decodes[decode], predict, tokens)
 
     def _holder_of(self, keys: list, blocks: int, exclude: str) -> str:
         for holder in list(self._prefills) + self._pools:

@@ -62,28 +62,38 @@ class DecodeState:
         )
 
 
-def tbt_now(state: DecodeState, predict, extra_tokens: int = 0) -> float:
+def tbt_now(state: DecodeState, predict, extra_tokens: int = 0, capacity: bool = True) -> float:
     """Estimated TBT of the instance with its running requests (and one more of
     ``extra_tokens`` if > 0); inf when that one would not fit. ``predict(batch, tokens)``
-    is the TBT model."""
+    is the TBT model; ``capacity=False`` skips the capacity check (to rank instances that are all
+    full)."""
     batch = len(state.running) + (1 if extra_tokens else 0)
     tokens = state.running_tokens + extra_tokens
-    if extra_tokens and state.over_capacity(batch, tokens):
+    if capacity and extra_tokens and state.over_capacity(batch, tokens):
         return math.inf
     return predict(batch, tokens)
 
 
-def tbt_committed(state: DecodeState, predict, extra_tokens: int = 0) -> float:
+def tbt_committed(
+    state: DecodeState, predict, extra_tokens: int = 0, capacity: bool = True
+) -> float:
     """Estimated TBT once every request placed on the instance (running or still in prefill)
     and one more of ``extra_tokens`` decode together: what the decode choice balances."""
     batch = len(state.running) + len(state.incoming) + 1
     tokens = state.running_tokens + state.incoming_tokens + extra_tokens
-    if state.over_capacity(batch, tokens):
+    if capacity and state.over_capacity(batch, tokens):
         return math.inf
     return predict(batch, tokens)
 
 
-def tbt_at(state: DecodeState, predict, t: float, decode_time_s: float, extra_tokens: int = 0):
+def tbt_at(
+    state: DecodeState,
+    predict,
+    t: float,
+    decode_time_s: float,
+    extra_tokens: int = 0,
+    capacity: bool = True,
+) -> float:
     """Estimated TBT of the instance at future time ``t``: running requests that started more
     than ``decode_time_s`` before t are gone, incoming ones due by t have joined."""
     batch, tokens = 0, 0
@@ -98,7 +108,7 @@ def tbt_at(state: DecodeState, predict, t: float, decode_time_s: float, extra_to
     if extra_tokens:
         batch += 1
         tokens += extra_tokens
-    if extra_tokens and state.over_capacity(batch, tokens):
+    if capacity and extra_tokens and state.over_capacity(batch, tokens):
         return math.inf
     return predict(batch, tokens)
 

@@ -277,3 +277,17 @@ def test_config_errors_name_the_field():
     c = make()
     with pytest.raises(ValueError, match="prompt_len"):
         c.decide("r", [], 0, 0.0)
+
+
+def test_decode_choice_ranks_instances_that_are_all_full_by_how_full():
+    c = Conductor(ConductorConfig(policy="load", rejection="none"))
+    c.add_instance("A", "prefill")
+    cap = 20 * BT
+    c.add_instance("D1", "decode", kv_capacity_tokens=cap)
+    c.add_instance("D2", "decode", kv_capacity_tokens=cap)
+    # D1 gets 3 long requests, D2 2: both are over capacity by what is committed to them.
+    for i, plen in enumerate((18 * BT, 18 * BT, 18 * BT, 18 * BT, 18 * BT)):
+        c.decide(f"r{i}", keys(f"r{i}-", 18), plen, 0.0)
+    assert len(c.decode_state("D1").incoming) == 3 and len(c.decode_state("D2").incoming) == 2
+    d = c.decide("new", keys("new", 2), 2 * BT, 0.0)
+    assert d.decode == "D2" and math.isinf(d.est_tbt_s)  # the less full; it would not fit now
