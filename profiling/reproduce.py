@@ -496,7 +496,9 @@ def write_doc(path: Path, pol: dict, rej: dict, col: dict, hit: dict, r: Runner,
     add(
         "One global cache replayed over the whole trace (the paper's set-up), using the block "
         "store's policies (`engine/kvcache/eviction.py`); hit = leading blocks found, in prompt "
-        "tokens. The paper's numbers are on its own, earlier trace.\n"
+        "tokens. The paper's numbers are on its own, earlier trace. Ours agree with the figures "
+        "the trace's README gives (LRU: 21.5% at 10,000 blocks, 36.2% at 50,000, 37.4% "
+        "unlimited), which checks the replay.\n"
     )
     add("![hit rate](figures/hit_rate.png)\n")
     add("| capacity (blocks) | LRU ours / paper | LFU ours / paper | LengthAware ours / paper |")
