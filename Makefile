@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate chat test lint bench clean
+.PHONY: run generate chat test lint bench reproduce clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,6 +42,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python profiling/bench_offline.py
+
+# The Mooncake scheduling results on the simulated cluster: docs/reproduction.md and its plots
+# (about 10 minutes on the 2-core development machine).
+reproduce: $(STAMP)
+	$(BIN)/python profiling/reproduce.py
 
 clean:
 	rm -rf $(VENV)

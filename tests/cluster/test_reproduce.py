@@ -1,0 +1,39 @@
+"""docs/reproduction.md lists a simulate.py command per run: each must rebuild that run's config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from profiling import reproduce, simulate
+from profiling.sim_cluster import SimConfig
+
+INF = math.inf
+
+
+@pytest.mark.parametrize(
+    "cfg, speed, duration",
+    [
+        (SimConfig(policy="random", rejection="none", ttft_slo_s=INF, tbt_slo_s=INF), 1.0, 0.0),
+        (
+            SimConfig(rejection="none", ttft_slo_s=INF, tbt_slo_s=INF, balancing_threshold=4.0),
+            1.0,
+            0.0,
+        ),
+        (SimConfig(prefill=8, decode=1, rejection="early"), 2.0, 0.0),
+        (SimConfig(colocated=16, rejection="none", ttft_slo_s=INF, tbt_slo_s=INF), 0.25, 1200.0),
+    ],
+)
+def test_documented_commands_rebuild_the_runs(cfg, speed, duration):
+    cmd = reproduce.command(cfg, speed, duration)
+    argv = cmd.split()[2:]  # after "python profiling/simulate.py"
+    args = simulate.parse_args(argv)
+    assert simulate.config_from(args) == cfg
+    assert args.speed == speed and args.duration == duration and args.json
+
+
+def test_capacity_interpolates_where_the_share_crosses():
+    assert reproduce.capacity({0.5: 1.0, 1.0: 0.95, 2.0: 0.85}) == pytest.approx(1.5)
+    assert reproduce.capacity({0.5: 0.5, 1.0: 0.2}) == 0.0  # never meets it
+    assert reproduce.capacity({0.5: 0.99, 1.0: 0.98}) == 1.0  # meets it at every speed
