@@ -14,7 +14,8 @@ seconds lock everyone out. Here, as a uvicorn protocol class:
 - when a new connection would exceed ``max_connections`` (or ``max_connections_per_client`` for
   its address), the connection that has been stalled longest in the middle of sending a request
   (for at least ``stall_s``) is closed with a 408 to make room; failing that, an idle keep-alive
-  connection is closed; failing that too, the new connection's requests get an OpenAI-shaped
+  connection is closed, or (at the global cap) the oldest reader of the address that holds the
+  most connections; failing all that, the new connection's requests get an OpenAI-shaped
   429 with ``Retry-After`` (``/health`` is still answered) and it is closed after the answer.
 
 A well-behaved client sends its request at once and is never stalled, so it only meets these
@@ -45,7 +46,7 @@ class HTTPLimits:
     # a burst of max_connections: more are reset at once, which costs the server almost nothing
     # (a slowloris attacker that reconnects as fast as it is closed would otherwise keep the
     # event loop busy). Below its cap, a client is not rate-limited.
-    new_connections_per_client_s: float = 200.0
+    new_connections_per_client_s: float = 50.0
     keep_alive_s: float = 5.0  # idle time before uvicorn closes a keep-alive connection
     max_head_bytes: int = 16 * 1024  # request line + headers (h11's limit)
 
@@ -170,6 +171,10 @@ class GuardedH11Protocol(H11Protocol):
             full = not self.table.evict_one(self.host, now, self.limits.stall_s, self)
         if not full and len(self.table.all) > self.limits.max_connections:
             full = not self.table.evict_one(None, now, self.limits.stall_s, self)
+            if full:  # the address holding the most connections gives up its oldest reader
+                heaviest = max(self.table.by_host, key=lambda h: len(self.table.by_host[h]))
+                if heaviest != self.host:
+                    full = not self.table.evict_one(heaviest, now, 0.0, self)
         if full:
             self.app = self._over_capacity  # answer its requests with a 429, then close
             self.on_reject("too_many_connections")
