@@ -153,7 +153,12 @@ def test_overload_is_always_the_documented_429(llm):
     the documented 429 (JSON, Retry-After), never uvicorn's plain-text 503."""
     import concurrent.futures
 
-    limits = HTTPLimits(max_connections=6, max_connections_per_client=6, stall_s=5.0)
+    limits = HTTPLimits(
+        max_connections=6,
+        max_connections_per_client=6,
+        stall_s=5.0,
+        new_connections_per_client_s=1e6,
+    )
     saved = llm.max_pending
     llm.max_pending = 3
     try:
