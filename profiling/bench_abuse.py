@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import collections
 import json
+import multiprocessing
 import os
 import resource
 import socket
@@ -165,7 +166,8 @@ HEAD = (
 )
 
 
-async def slowloris(url: str, phase: Phase, stop: asyncio.Event, n: int) -> None:
+async def slowloris(url: str, phase: Phase, stop: asyncio.Event, args: dict) -> None:
+    n = args["slow_connections"]
     host, port = url.removeprefix("http://").split(":")
 
     async def one(i: int) -> None:
@@ -191,7 +193,7 @@ async def slowloris(url: str, phase: Phase, stop: asyncio.Event, n: int) -> None
     await asyncio.gather(*(one(i) for i in range(n)))
 
 
-async def large_prompt(url: str, phase: Phase, stop: asyncio.Event) -> None:
+async def large_prompt(url: str, phase: Phase, stop: asyncio.Event, args: dict) -> None:
     body = json.dumps({"prompt": "x" * (15 * 1024 * 1024), "max_tokens": 2}).encode()
     headers = {"content-type": "application/json"}
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
@@ -200,7 +202,8 @@ async def large_prompt(url: str, phase: Phase, stop: asyncio.Event) -> None:
             phase.attacker[r.status_code] += 1
 
 
-async def flood(url: str, phase: Phase, stop: asyncio.Event, n: int) -> None:
+async def flood(url: str, phase: Phase, stop: asyncio.Event, args: dict) -> None:
+    n = args["flood"]
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
 
@@ -218,7 +221,8 @@ async def flood(url: str, phase: Phase, stop: asyncio.Event, n: int) -> None:
             await asyncio.sleep(1.0)
 
 
-async def rpc_never_reads(address: str, phase: Phase, stop: asyncio.Event, n: int) -> None:
+async def rpc_never_reads(address: str, phase: Phase, stop: asyncio.Event, args: dict) -> None:
+    n = args["rpc_streams"]
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 1)
@@ -236,47 +240,56 @@ async def rpc_never_reads(address: str, phase: Phase, stop: asyncio.Event, n: in
         sock.close()
 
 
+_ATTACKS = {
+    "slowloris": slowloris,
+    "large-prompt": large_prompt,
+    "flood": flood,
+    "rpc-never-reads": rpc_never_reads,
+}
+
 # -- running -------------------------------------------------------------------------------------
 
 
-class AttackThread(threading.Thread):
-    """An attack on its own thread and event loop, so that the attacker's own work (encoding
-    15 MB bodies, thousands of sockets) does not delay the probe's measurements."""
+def _attack_process(name: str, target: str, args: dict, queue) -> None:
+    """The attack in a child process: its own GIL, so that its work (thousands of sockets,
+    15 MB bodies) does not delay the probe's measurements in this process."""
+    phase = Phase(name)
 
-    def __init__(self, attack, target: str, phase: Phase) -> None:
-        super().__init__(daemon=True)
-        self.attack, self.target, self.phase = attack, target, phase
-        self.started_loop = threading.Event()
-
-    def run(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.loop.run_until_complete(self._main())
-        self.loop.close()
-
-    async def _main(self) -> None:
-        self.stop = asyncio.Event()
-        self.started_loop.set()
-        task = asyncio.ensure_future(self.attack(self.target, self.phase, self.stop))
-        await self.stop.wait()
+    async def main() -> None:
+        stop = asyncio.Event()
+        attack = _ATTACKS[name]
+        task = asyncio.ensure_future(attack(target, phase, stop, args))
+        await asyncio.sleep(args["seconds"])
+        stop.set()
         await asyncio.sleep(0.1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    def halt(self) -> None:
-        self.started_loop.wait()
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.join(60)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    asyncio.run(main())
+    queue.put(dict(phase.attacker))
 
 
-async def run_phase(name, target, probe, attack, args) -> Phase:
+async def run_phase(name, target, probe, args) -> Phase:
     phase = Phase(name)
-    attacker = AttackThread(attack, target, phase) if attack else None
-    if attacker is not None:
-        attacker.start()
+    proc = queue = None
+    if name != "quiet":
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        params = {
+            "seconds": args.warmup + args.duration,
+            "slow_connections": args.slow_connections,
+            "flood": args.flood,
+            "rpc_streams": args.rpc_streams,
+        }
+        proc = ctx.Process(target=_attack_process, args=(name, target, params, queue))
+        proc.start()
         await asyncio.sleep(args.warmup)  # let the attack take hold first
     await probe(target, phase, args.duration, args.rate)
-    if attacker is not None:
-        attacker.halt()
+    if proc is not None:
+        phase.attacker.update(await asyncio.to_thread(queue.get, True, 120))
+        proc.join(30)
     return phase
 
 
@@ -306,18 +319,12 @@ def report(rows: list[tuple[Phase, Phase]]) -> None:
 
 async def bench(kind: str, target: str, pid: int, attacks: list[str], args) -> list:
     probe = http_probe if kind == "serve" else rpc_probe
-    quiet = await run_phase("quiet", target, probe, None, args)
+    quiet = await run_phase("quiet", target, probe, args)
     rows = []
-    table = {
-        "slowloris": lambda t, p, s: slowloris(t, p, s, args.slow_connections),
-        "large-prompt": large_prompt,
-        "flood": lambda t, p, s: flood(t, p, s, args.flood),
-        "rpc-never-reads": lambda t, p, s: rpc_never_reads(t, p, s, args.rpc_streams),
-    }
     for name in attacks:
         watch = RSSWatch(pid)
         watch.start()
-        phase = await run_phase(name, target, probe, table[name], args)
+        phase = await run_phase(name, target, probe, args)
         watch.stop.set()
         watch.join()
         phase.peak_rss = watch.peak

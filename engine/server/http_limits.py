@@ -9,12 +9,13 @@ seconds lock everyone out. Here, as a uvicorn protocol class:
 - a request's head must arrive within ``header_timeout_s`` of its first byte (of the connection,
   for the first request) and its body within ``body_timeout_s`` after the head; otherwise the
   client gets a 408 and the connection is closed;
-- a client address may open ``new_connections_per_client_s`` connections a second (after a
-  burst); more are reset at once, before any parsing;
+- a client address already at its cap may open ``new_connections_per_client_s`` more a second
+  (after a burst); more are reset at once, before any parsing;
 - when a new connection would exceed ``max_connections`` (or ``max_connections_per_client`` for
   its address), the connection that has been stalled longest in the middle of sending a request
   (for at least ``stall_s``) is closed with a 408 to make room; failing that, an idle keep-alive
-  connection is closed; failing that too, the new connection's requests get an OpenAI-shaped
+  connection is closed, or (at the global cap) the oldest reader of the address that holds the
+  most connections; failing all that, the new connection's requests get an OpenAI-shaped
   429 with ``Retry-After`` (``/health`` is still answered) and it is closed after the answer.
 
 A well-behaved client sends its request at once and is never stalled, so it only meets these
@@ -41,10 +42,11 @@ class HTTPLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     stall_s: float = 2.0  # a request incomplete for this long may be closed to make room
-    # New connections per second from one address, beyond a burst of max_connections_per_client:
-    # more are reset at once, which costs the server almost nothing (a slowloris attacker that
-    # reconnects as fast as it is closed would otherwise keep the event loop busy).
-    new_connections_per_client_s: float = 200.0
+    # New connections per second from an address already at max_connections_per_client, after
+    # a burst of max_connections: more are reset at once, which costs the server almost nothing
+    # (a slowloris attacker that reconnects as fast as it is closed would otherwise keep the
+    # event loop busy). Below its cap, a client is not rate-limited.
+    new_connections_per_client_s: float = 50.0
     keep_alive_s: float = 5.0  # idle time before uvicorn closes a keep-alive connection
     max_head_bytes: int = 16 * 1024  # request line + headers (h11's limit)
 
@@ -80,8 +82,8 @@ class _Table:
         self.buckets: dict[str, tuple[float, float]] = {}  # host -> (tokens, when)
 
     def admit(self, host: str, limits: HTTPLimits, now: float) -> bool:
-        """Take a token from ``host``'s new-connection bucket; False when it is empty."""
-        burst = float(limits.max_connections_per_client)
+        """Take a token from ``host``'s bucket; False when it is empty."""
+        burst = float(limits.max_connections)
         tokens, when = self.buckets.get(host, (burst, now))
         tokens = min(burst, tokens + (now - when) * limits.new_connections_per_client_s)
         if tokens < 1.0:
@@ -157,17 +159,22 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline = None
         self.table.add(self)
         now = time.monotonic()
-        if not self.table.admit(self.host, self.limits, now):
+        over = len(self.table.by_host[self.host]) > self.limits.max_connections_per_client
+        if over and not self.table.admit(self.host, self.limits, now):
             self.on_reject("connection_rate")
-            self.transport.abort()  # too many new connections from this address: reset
+            self.transport.abort()  # at its cap and reconnecting too fast: reset, no parsing
             return
         self._set_reading(True)  # awaiting the first request
         self._arm(self.limits.header_timeout_s)
         full = False
-        if len(self.table.by_host[self.host]) > self.limits.max_connections_per_client:
+        if over:
             full = not self.table.evict_one(self.host, now, self.limits.stall_s, self)
         if not full and len(self.table.all) > self.limits.max_connections:
             full = not self.table.evict_one(None, now, self.limits.stall_s, self)
+            if full:  # the address holding the most connections gives up its oldest reader
+                heaviest = max(self.table.by_host, key=lambda h: len(self.table.by_host[h]))
+                if heaviest != self.host:
+                    full = not self.table.evict_one(heaviest, now, 0.0, self)
         if full:
             self.app = self._over_capacity  # answer its requests with a 429, then close
             self.on_reject("too_many_connections")

@@ -153,7 +153,12 @@ def test_overload_is_always_the_documented_429(llm):
     the documented 429 (JSON, Retry-After), never uvicorn's plain-text 503."""
     import concurrent.futures
 
-    limits = HTTPLimits(max_connections=6, max_connections_per_client=6, stall_s=5.0)
+    limits = HTTPLimits(
+        max_connections=6,
+        max_connections_per_client=6,
+        stall_s=5.0,
+        new_connections_per_client_s=1e6,
+    )
     saved = llm.max_pending
     llm.max_pending = 3
     try:
@@ -187,11 +192,13 @@ def test_default_limits_agree():
 
 
 def test_connection_rate_per_client_is_bounded(llm):
-    """Past a burst, a client address that opens connections faster than the rate has them
-    reset at once (an attacker reconnecting as fast as it is closed costs the server little)."""
-    limits = HTTPLimits(max_connections_per_client=3, new_connections_per_client_s=2.0)
+    """A client address at its cap that opens connections faster than the rate (past a burst)
+    has them reset at once: an attacker reconnecting as fast as it is closed costs little."""
+    limits = HTTPLimits(
+        max_connections=4, max_connections_per_client=2, new_connections_per_client_s=2.0
+    )
     with http_server(llm, limits=limits) as s:
-        socks = [_connect(s.url) for _ in range(3)]
+        socks = [_connect(s.url) for _ in range(6)]  # 2 under the cap, 4 from the burst
         extra = _connect(s.url)
         try:
             extra.settimeout(10)
