@@ -216,3 +216,4 @@ class AsyncLLM:
         finally:
             for rid in list(self._sinks):
                 self._deliver(rid, EngineShuttingDownError("the engine stopped"), last=True)
+            self.engine.close()

@@ -182,8 +182,15 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = False
+    # Tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or "dram=1GiB,tcp://HOST:PORT"
+    # (engine/kvcache/pool_spec.py); None: KV lives only in the paged cache.
+    kv_pool: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_pool is not None:
+            from engine.kvcache.pool_spec import parse_pool_spec
+
+            parse_pool_spec(self.kv_pool)  # ValueError naming the bad part
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, float16, bfloat16, got {self.dtype!r}"

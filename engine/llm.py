@@ -37,6 +37,7 @@ class LLM:
         max_num_seqs: int = 128,
         seed: int = 0,
         show_progress: bool = False,
+        kv_pool: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -56,6 +57,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
             ),
             show_progress=show_progress,
+            kv_pool=kv_pool,
         )
         self._init(LLMEngine(config))
 
@@ -133,6 +135,21 @@ class LLM:
             if not done:
                 self.engine.abort_request(rid)
                 self.engine.step()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the device cache's unreferenced prefix blocks (blocks of running requests stay);
+        returns how many. The KV pool (``kv_pool``) keeps its blocks."""
+        return self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the KV pool's IO threads and release its shared memory (also done at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

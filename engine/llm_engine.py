@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kvcache.connector import KVConnector, step_blocks
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.kvcache.paged_cache import PagedKVCache, choose_num_blocks
 from engine.layers.llama import LayerHook, LlamaForCausalLM
@@ -62,6 +63,13 @@ class LLMEngine:
             self.model_config, num_blocks, cc.block_size, self.dtype, self.device
         )
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.connector: KVConnector | None = None
+        if config.kv_pool:
+            from engine.kvcache.connector_factory import make_pool_connector
+
+            self.connector = make_pool_connector(
+                config.kv_pool, self.model_config, model, self.cache, self.device
+            )
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(
@@ -70,7 +78,7 @@ class LLMEngine:
             )
         # One request must always fit in the cache by itself, or preemption could not help it.
         self.max_model_len = min(max_len, num_blocks * cc.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.connector)
         self.runner = ModelRunner(
             model,
             self.cache,
@@ -185,6 +193,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
+            if self.scheduler.loading and not outputs:
+                self.connector.wait(0.01)  # only loads in flight: do not spin
             return outputs
         now = time.monotonic()
         for s in sched.scheduled:
@@ -195,7 +205,7 @@ class LLMEngine:
                     self.metrics.queue_time.observe(now - m.arrival_time)
         inputs = self.runner.prepare(sched.scheduled, self.kv.block_tables)
         t1 = time.perf_counter()
-        logits = self.runner.execute(inputs, self.layer_hook)
+        logits = self.runner.execute(inputs, self._layer_hook(inputs))
         t2 = time.perf_counter()
         sampling = [s.request for s in inputs.order if s.samples]
         batch = SamplingBatch.build(
@@ -211,6 +221,8 @@ class LLMEngine:
         t3 = time.perf_counter()
         self._account_computed(sched)
         self.scheduler.update_after_step(sched)
+        if self.connector is not None:
+            self._save_new_blocks(sched)
         self.num_steps += 1
         now = time.monotonic()
         moved: dict[str, _Parent] = {}
@@ -226,6 +238,34 @@ class LLMEngine:
                 del self._parents[parent.request_id]
         self.step_times.add(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return outputs
+
+    def _layer_hook(self, inputs) -> LayerHook | None:
+        """The model's per-layer callback: the user's ``layer_hook`` and, when the connector wants
+        KV layer by layer, its ``save_layer`` over this step's slots."""
+        conn, user = self.connector, self.layer_hook
+        if conn is None or not conn.per_layer:
+            return user
+        step = step_blocks(inputs.order, inputs.meta.slot_mapping.tolist(), self.kv.block_tables)
+
+        def hook(i: int) -> None:
+            conn.save_layer(i, step)
+            if user is not None:
+                user(i)
+
+        return hook
+
+    def _save_new_blocks(self, sched: SchedulerOutput) -> None:
+        """Hand the connector every block that became full and computed in this step."""
+        bs = self.kv.block_size
+        for s in sched.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue  # freed already; a finished request's last block is never full anyway
+            before = (req.num_computed_tokens - s.num_tokens) // bs
+            after = req.num_computed_tokens // bs
+            if after > before:
+                table = self.kv.block_tables[req.request_id]
+                self.connector.save(req, table, self.kv.block_hashes(req), before, after - before)
 
     def _account_computed(self, sched: SchedulerOutput) -> None:
         computed = 0
@@ -360,10 +400,21 @@ class LLMEngine:
                 e2e_sum=m.e2e.total,
                 queue_time=m.queue_time.cumulative(),
                 queue_time_sum=m.queue_time.total,
+                kv_pool=self.connector.stats() if self.connector is not None else {},
             )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the device cache's unreferenced prefix blocks (those of running requests stay);
+        returns how many. The KV pool is left alone."""
+        return self.kv.pool.evict_all_cached()
+
+    def close(self) -> None:
+        """Release the KV connector's threads, shared memory and sockets. Idempotent."""
+        if self.connector is not None:
+            self.connector.close()
 
     def run_until_done(self, show_progress: bool = False, total: int | None = None):
         """Step until every request finished; yields each step's outputs."""

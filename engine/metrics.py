@@ -163,3 +163,4 @@ class MetricsSnapshot:
     e2e_sum: float
     queue_time: list[tuple[float, int]]
     queue_time_sum: float
+    kv_pool: dict = field(default_factory=dict)  # the KV connector's stats, when there is one

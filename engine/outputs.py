@@ -41,7 +41,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens not recomputed (device cache and KV pool)
+    kv_sources: dict[str, int] = field(default_factory=dict)  # those tokens by source
     num_computed_prompt_tokens: int = 0  # prompt tokens this engine actually ran through the model
     num_preemptions: int = 0
 

@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING_KV = "loading_kv"  # holds blocks while a KV connector fills them; not scheduled
     PREEMPTED = "preempted"
     FINISHED = "finished"
 
@@ -46,6 +47,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.skip_kv_connector = False  # a load from the connector failed: recompute instead
         self.status = RequestStatus.WAITING
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0

@@ -6,16 +6,25 @@ is one token, an unfinished prompt gets its next chunk), then chunks of waiting 
 prompt blocks already in the prefix cache. When blocks run out, the newest running request is
 preempted: its blocks are freed and it is recomputed later (its cached prefix usually survives).
 FCFS throughout; a preempted request goes back to the front of the queue.
+
+With a KV connector (the tiered pool, or a decode worker's receiver), admission asks it for the
+continuation of the device-cache hit; those tokens are loaded into blocks allocated for them while
+the request waits in ``loading`` (not scheduled, holding its blocks), and it rejoins the front of
+the queue when the load ends. A load that fails recomputes what did not arrive.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.kvcache.connector import KVConnector
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -45,11 +54,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # LOADING_KV: blocks held, KV arriving
+        self.num_failed_loads = 0
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.watermark_blocks = max(1, kv.num_blocks // 100)
@@ -72,8 +86,12 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.LOADING_KV:
+            del self.loading[req.request_id]
         else:
             self.waiting.remove(req)
+        if self.connector is not None:
+            self.connector.request_finished(req)  # before its blocks can be reused
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -82,7 +100,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -91,6 +109,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
         chunk_cap = cfg.long_prefill_token_threshold or budget
+        if self.loading:
+            self._finish_loads()
 
         # 1. Running requests, oldest first; preempt from the newest when blocks run out.
         i = 0
@@ -119,15 +139,27 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             req = self.waiting[0]
-            hit = self.kv.find_prefix(req) if req.num_computed_tokens == 0 else None
+            fresh = req.num_computed_tokens == 0 and req.request_id not in self.kv.block_tables
+            hit = self.kv.find_prefix(req) if fresh else None
             cached = hit.num_tokens if hit else 0
+            if fresh and self.connector is not None and not req.skip_kv_connector:
+                hashes = self.kv.block_hashes(req)
+                external = self.connector.lookup(req, hashes, cached)
+                if external > 0:
+                    if not self.kv.allocate(req, external, hit, reserve=reserve):
+                        break
+                    self.waiting.popleft()
+                    self._start_load(req, cached, external)
+                    continue
             num = min(req.num_tokens - req.num_computed_tokens - cached, budget, chunk_cap)
             if not self.kv.allocate(req, num, hit, reserve=reserve):
                 break
             self.waiting.popleft()
             req.num_computed_tokens += cached
-            if req.metrics.first_scheduled_time is None:
+            if req.metrics.first_scheduled_time is None and fresh:
                 req.metrics.num_cached_tokens = cached
+                if cached:
+                    req.metrics.kv_sources = {"device": cached}
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num))
@@ -135,6 +167,42 @@ class Scheduler:
 
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
         return out
+
+    def _start_load(self, req: Request, cached: int, external: int) -> None:
+        """req holds blocks for its device hit and the external tokens; the connector fills the
+        latter while req waits in ``loading``."""
+        req.num_computed_tokens = cached
+        req.status = RequestStatus.LOADING_KV
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.num_cached_tokens = cached
+            req.metrics.kv_sources = {"device": cached} if cached else {}
+        self.loading[req.request_id] = req
+        self.connector.start_load(req, self.kv.block_tables[req.request_id], cached, external)
+
+    def _finish_loads(self) -> None:
+        """Requests whose loads ended rejoin the front of the queue, oldest first."""
+        back = []
+        for done in self.connector.finished_loads():
+            req = self.loading.pop(done.request_id, None)
+            if req is None:
+                continue  # finished (aborted) while loading
+            if done.error is not None:
+                self.num_failed_loads += 1
+                req.skip_kv_connector = True
+                log.warning("KV load for %s: %s; recomputing the rest", req.request_id, done.error)
+            req.num_computed_tokens += done.num_tokens
+            self.kv.cache_computed_blocks(req)  # loaded blocks join the device prefix cache
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.num_cached_tokens += done.num_tokens
+                for src, n in done.sources.items():
+                    req.metrics.kv_sources[src] = req.metrics.kv_sources.get(src, 0) + n
+            if req.num_computed_tokens == 0:
+                self.kv.free(req)  # nothing arrived: admit it afresh (device hits may exist now)
+            req.status = RequestStatus.WAITING
+            back.append(req)
+        back.sort(key=lambda r: r.metrics.arrival_time, reverse=True)
+        for req in back:
+            self.waiting.appendleft(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -7,12 +7,15 @@ Every block is in exactly one state:
 Cached and free blocks sit together in one LRU queue; allocation takes the least recently freed
 block first and drops its hash, so a cached prefix survives until it is the oldest unused block.
 ``check_integrity`` asserts free + cached + used == total and that the index is consistent.
+
+``listener``, when set, hears ("stored", hash) when a block is named and ("removed", hash) when a
+name is dropped (evicted or reset), so that an engine can publish which prefixes it holds.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 
@@ -34,6 +37,7 @@ class BlockPool:
         # LRU queue of blocks with ref_cnt == 0: first = evicted first.
         self._lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._index: dict[bytes, int] = {}
+        self.listener: Callable[[str, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -83,6 +87,8 @@ class BlockPool:
         self.block_hash[block] = block_hash
         self.block_tokens[block] = tuple(tokens)
         self._index[block_hash] = block
+        if self.listener is not None:
+            self.listener("stored", block_hash)
 
     def evict_all_cached(self) -> int:
         """Forget every cached (unreferenced) block's name; returns how many were dropped."""
@@ -98,6 +104,8 @@ class BlockPool:
                 del self._index[h]
             self.block_hash[block] = None
             self.block_tokens[block] = None
+            if self.listener is not None:
+                self.listener("removed", h)
 
     def counts(self) -> BlockCounts:
         used = sum(1 for r in self.ref_cnt if r > 0)

@@ -25,6 +25,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--kv-pool",
+        default=None,
+        metavar="SPEC",
+        help='tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or "dram=1GiB,tcp://H:P"',
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace):
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
         ),
         show_progress=True,
+        kv_pool=args.kv_pool,
     )
 
 
@@ -142,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         pass
     else:
         add_server_commands(sub, _engine_args)
+
+    from engine.kvcache.pool_cli import add_pool_commands
+
+    add_pool_commands(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -119,6 +119,46 @@ class EngineCollector(Collector):
             s.queue_time,
             s.queue_time_sum,
         )
+        yield from pool_metrics(s.kv_pool, self.model_name)
+
+
+# Per-tier counters of the KV pool: (stats key, metric name, help).
+_POOL_TIER_COUNTERS = (
+    ("hits", "kv_pool_hits", "Blocks read from the KV pool, by tier."),
+    ("misses", "kv_pool_misses", "Blocks looked for and not found in a tier."),
+    ("bytes_read", "kv_pool_read_bytes", "Bytes read from the KV pool, by tier."),
+    ("bytes_written", "kv_pool_written_bytes", "Bytes written to the KV pool, by tier."),
+    ("evictions", "kv_pool_evictions", "Blocks evicted from a tier (DRAM evictions demote)."),
+    ("failed_reads", "kv_pool_failed_reads", "Reads that failed (bad record, IO error), by tier."),
+    ("failed_writes", "kv_pool_failed_writes", "Writes that failed (full disk, IO error)."),
+)
+_POOL_COUNTERS = (
+    ("loads", "kv_pool_loads", "Requests whose prefix was loaded from the KV pool."),
+    ("failed_loads", "kv_pool_failed_loads", "Loads that fell back to recompute."),
+    ("dropped_writes", "kv_pool_dropped_writes", "Blocks not saved: the write queue was full."),
+)
+
+
+def pool_metrics(stats: dict, model_name: str) -> Iterator[Metric]:
+    """The KV pool's counters, from the connector's stats (empty without a pool)."""
+    if not stats:
+        return
+    tiers = stats.get("tiers", {})
+    for key, name, doc in _POOL_TIER_COUNTERS:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "tier"])
+        for tier, ts in sorted(tiers.items()):
+            c.add_metric([model_name, tier], ts.get(key, 0))
+        yield c
+    g = GaugeMetricFamily(
+        PREFIX + "kv_pool_blocks", "Blocks held by each tier.", labels=["model_name", "tier"]
+    )
+    for tier, ts in sorted(tiers.items()):
+        g.add_metric([model_name, tier], ts.get("blocks", 0))
+    yield g
+    for key, name, doc in _POOL_COUNTERS:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric([model_name], stats.get(key, 0))
+        yield c
 
 
 def make_registry(collector: EngineCollector) -> CollectorRegistry:
