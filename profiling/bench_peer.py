@@ -341,6 +341,7 @@ def main() -> int:
                 if name in servers:
                     s = servers[name]
                     rows[name] = asyncio.run(http_load(s.url, s.model_id(), prompts, out_len, conc))
+                    print(f"{w} {name}: {json.dumps(rows[name])}", flush=True)
             if hf is not None:
                 pad = tok.eos_token_ids[0]
                 rows["transformers fp32"] = hf_load_run(hf, prompts, out_len, pad, CONCURRENCY)
