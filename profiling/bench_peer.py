@@ -111,7 +111,9 @@ async def one_request(client, model: str, prompt: list[int], out_len: int) -> di
 
 
 async def http_load(url: str, model: str, prompts, out_len: int, concurrency: int) -> dict:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # A fresh connection per request: llama-server closes idle keep-alive connections, and a
+    # request sent on one that it just closed fails ("disconnected without a response").
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
         await one_request(client, model, prompts[0][:64], 4)  # warm-up, outside the figures
         sem = asyncio.Semaphore(concurrency)
@@ -339,6 +341,7 @@ def main() -> int:
                 if name in servers:
                     s = servers[name]
                     rows[name] = asyncio.run(http_load(s.url, s.model_id(), prompts, out_len, conc))
+                    print(f"{w} {name}: {json.dumps(rows[name])}", flush=True)
             if hf is not None:
                 pad = tok.eos_token_ids[0]
                 rows["transformers fp32"] = hf_load_run(hf, prompts, out_len, pad, CONCURRENCY)
