@@ -316,6 +316,8 @@ def bench_serving(sizes: list[int], decodes: int, long_prompts: int, long_len: i
         for name, llm in (("colocated", colocated), ("1P+1D", cluster.router)):
 
             async def run(llm=llm):
+                for s in sizes:  # warm-up: first-forward allocations, connections
+                    await _ttft(llm, rng.integers(100, 40000, s).tolist(), one)
                 ttft = {s: await _ttft(llm, prompts[s], one) for s in sizes}
                 gaps = await _interference(llm, decodes, long_prompts, long_len, rng)
                 return ttft, gaps

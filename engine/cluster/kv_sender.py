@@ -147,6 +147,7 @@ class KVSender(KVConnector):
             self._send_range(t, layer, table, t.layout.num_tokens)
         t.last_layer_time = time.monotonic()
 
+    @torch.inference_mode()  # as in the forward: pooled buffers are inference tensors
     def _send_range(self, t: SendTarget, layer: int, table: Sequence[int], upto: int) -> None:
         start = t.sent[layer]
         if upto <= start:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import xxhash
 
-ARENA_PREFIX = "engine-kv-"
+ARENA_PREFIX = "engine-kvstage-"  # the pool's arenas are engine-kv-<hex>
 ALIGN = 64
 
 

@@ -105,7 +105,7 @@ def test_kills_restarts_and_drain():
         cluster.stop()
     for pid in pids:  # no orphans, no staging files
         assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
-    assert not [f for pid in pids for f in glob.glob(f"/dev/shm/engine-kv-{pid}-*")]
+    assert not [f for pid in pids for f in glob.glob(f"/dev/shm/engine-kvstage-{pid}-*")]
 
 
 def _zombie(pid: int) -> bool:

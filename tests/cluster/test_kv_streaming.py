@@ -355,3 +355,40 @@ def test_mooncake_transfer_engine_matches_colocated(expected):
         assert not any(isinstance(x, m.TransferFailed) for x in pair.router)
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_sender_streamed_and_not_streamed(transport):
+    """The sender as the engine drives it: layers from the forward's hook (inference mode), or all
+    after the prefill (streaming off, outside it), reusing the streamed sends' buffers."""
+    from engine.cluster.kv_sender import SendTarget
+    from engine.kvcache.connector import StepBlocks
+
+    kv, arena, rx = synthetic(transport)
+    cache = torch.randn(L, 2, NB, BS, H, D)
+    sender = KVSender(cache, BS)
+    table = [5, 2, 7]
+
+    class Req:
+        request_id = "x"
+        num_computed_tokens = 0
+
+    try:
+        for rid, stream in (("a", True), ("b", False), ("c", True), ("d", False)):
+            t = rx.expect(rid, 10, 30.0)
+            Req.request_id = rid
+            layout = KVLayout(L, 10, H * D * 4)
+            sender.add(SendTarget(rid, rid, rx.address, transport, arena.path, t.offset, layout,
+                                  stream_layers=stream))  # fmt: skip
+            step = [StepBlocks(Req, list(range(10)), table)]
+            with torch.inference_mode():  # the model's forward
+                for layer in range(L):
+                    sender.save_layer(layer, step)
+            sender.finish(rid, m.KVDone(rid, 10, L, 0, [{"index": 0, "token": 1}]))
+            assert wait_event(rx) == rid and t.ok, t.error
+            rx.admit(rid, [])  # nothing to load: frees the area
+        assert sender.counters["layers_sent"] == 4 * L
+    finally:
+        sender.close()
+        rx.close()
+        arena.close()
