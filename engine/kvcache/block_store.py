@@ -78,17 +78,48 @@ class BlockStore:
         return None
 
     def get_many(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[str | None]:
-        """get_into for each key in turn, with the SSD records of the next PREFETCH_WINDOW keys
-        being read ahead meanwhile."""
+        """get_into for each key, with the SSD records of the next PREFETCH_WINDOW keys read
+        ahead meanwhile, and each run of keys the local tiers miss fetched from the remote tier
+        in one batch (``get_many_into``: one round trip per batch, not per block)."""
         prefetchers = [t.prefetch for t in self.tiers if hasattr(t, "prefetch")]
         for prefetch in prefetchers:
             prefetch(keys[:PREFETCH_WINDOW])
+        batch_get = getattr(self.remote, "get_many_into", None)
         served: list[str | None] = []
-        for i, (key, out) in enumerate(zip(keys, outs)):
+        i = 0
+        while i < len(keys):
             for prefetch in prefetchers:
                 prefetch(keys[i + PREFETCH_WINDOW : i + PREFETCH_WINDOW + 1])
-            served.append(self.get_into(key, out))
+            if batch_get is None or any(t.contains(keys[i]) for t in self.local):
+                served.append(self.get_into(keys[i], outs[i]))
+                i += 1
+                continue
+            j = i + 1
+            while j < len(keys) and not any(t.contains(keys[j]) for t in self.local):
+                j += 1
+            n = batch_get(keys[i:j], outs[i:j])
+            for k in range(i, i + n):
+                if self.local:
+                    self._promote(keys[k], outs[k])
+            served += [self.remote.name] * n + [None] * (j - i - n)
+            i = j
         return served
+
+    def put_many(
+        self, keys: Sequence[bytes], datas: Sequence[memoryview], positions: Sequence[int]
+    ) -> list[bool]:
+        """put for each block; the remote tier gets them in batches (``put_many``)."""
+        batch_put = getattr(self.remote, "put_many", None)
+        if batch_put is None:
+            return [self.put(k, d, p) for k, d, p in zip(keys, datas, positions)]
+        stored = [False] * len(keys)
+        for n, (key, data, pos) in enumerate(zip(keys, datas, positions)):
+            for tier in self.local:
+                if tier.put(key, data, pos).stored:
+                    stored[n] = True
+                    break
+        remote = batch_put(keys, datas, positions)
+        return [a or b for a, b in zip(stored, remote)]
 
     def put(self, key: bytes, data: memoryview, position: int = 0) -> bool:
         """Store a block; True if some tier holds it now. Never raises for tier failures."""

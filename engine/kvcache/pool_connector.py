@@ -78,6 +78,7 @@ class PoolConnector(KVConnector):
         # Keys the store is known to hold (loaded or saved lately): not gathered and put again.
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._known_cap = known_keys
+        self._known_lock = threading.Lock()  # the writer forgets keys whose put failed
         self.counters = {
             "loads": 0,
             "loaded_blocks": 0,
@@ -105,10 +106,12 @@ class PoolConnector(KVConnector):
         if not keys:
             return 0
         try:
-            return self.store.match(keys) * bs
+            n = self.store.match(keys)
         except Exception as exc:  # a store must not raise, but never let it fail a request
             log.warning("KV pool lookup failed: %s", exc)
-            return 0
+            n = 0
+        self._forget(keys[n:])  # the pool lost them (evicted, restarted): save them again
+        return n * bs
 
     def start_load(self, req, block_table, start_token: int, num_tokens: int) -> None:
         bs = self.block_size
@@ -162,8 +165,9 @@ class PoolConnector(KVConnector):
         picked = [
             (first_block + j, block_hashes[first_block + j], block_table[first_block + j])
             for j in range(num_blocks)
-            if block_hashes[first_block + j] not in self._known
         ]
+        with self._known_lock:
+            picked = [p for p in picked if p[1] not in self._known]
         if not picked:
             return
         nbytes = len(picked) * self.block_bytes
@@ -182,11 +186,17 @@ class PoolConnector(KVConnector):
         self._writes.put((keys, [p for p, _, _ in picked], staging, nbytes))
 
     def _remember(self, keys: Sequence[bytes]) -> None:
-        for k in keys:
-            self._known[k] = None
-            self._known.move_to_end(k)
-        while len(self._known) > self._known_cap:
-            self._known.popitem(last=False)
+        with self._known_lock:
+            for k in keys:
+                self._known[k] = None
+                self._known.move_to_end(k)
+            while len(self._known) > self._known_cap:
+                self._known.popitem(last=False)
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        with self._known_lock:
+            for k in keys:
+                self._known.pop(k, None)
 
     # -- the IO threads ---------------------------------------------------------------------
 
@@ -233,20 +243,25 @@ class PoolConnector(KVConnector):
             if item is _STOP:
                 return
             keys, positions, staging, nbytes = item
-            try:
-                rows = staging.cpu().view(torch.uint8).numpy().reshape(len(keys), -1)
-                for key, pos, row in zip(keys, positions, rows):
-                    if self.store.put(key, memoryview(row), position=pos):
-                        self.counters["saved_blocks"] += 1
-                    else:
-                        self.counters["failed_writes"] += 1
-            except Exception as exc:  # a store must not raise; never kill the writer
-                log.warning("KV pool write failed: %s", exc)
-                self.counters["failed_writes"] += len(keys)
-            finally:
-                with self._cv:
-                    self._write_bytes -= nbytes
-                    self._cv.notify_all()
+            stored = self._put(keys, positions, staging)
+            self.counters["saved_blocks"] += sum(stored)
+            self.counters["failed_writes"] += len(keys) - sum(stored)
+            self._forget([k for k, ok in zip(keys, stored) if not ok])
+            with self._cv:
+                self._write_bytes -= nbytes
+                self._cv.notify_all()
+
+    def _put(self, keys, positions, staging) -> list[bool]:
+        try:
+            rows = staging.cpu().view(torch.uint8).numpy().reshape(len(keys), -1)
+            datas = [memoryview(row) for row in rows]
+            put_many = getattr(self.store, "put_many", None)  # batches for a remote tier
+            if put_many is not None:
+                return list(put_many(keys, datas, positions))
+            return [self.store.put(k, d, p) for k, d, p in zip(keys, datas, positions)]
+        except Exception as exc:  # a store must not raise; never kill the writer
+            log.warning("KV pool write failed: %s", exc)
+            return [False] * len(keys)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued save reached the store (tests, benchmarks, shutdown)."""

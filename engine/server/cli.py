@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         add_server_commands(sub, _engine_args)
 
+    from engine.kvcache.pool_cli import add_pool_commands
+
+    add_pool_commands(sub)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)

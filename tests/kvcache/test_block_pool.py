@@ -53,3 +53,17 @@ def test_hash_chain_depends_on_prefix_and_salt():
     # Incremental extension equals hashing from scratch.
     assert hash_blocks(list(range(48)), 16, parent=a[0], start_block=1) == a[1:]
     assert hash_block(None, range(16)) == a[0]
+
+
+def test_listener_hears_names_and_evictions():
+    pool = BlockPool(2)
+    heard = []
+    pool.listener = lambda kind, h: heard.append((kind, h))
+    a, b = pool.allocate(2)
+    pool.cache(a, b"h-a", [1, 2])
+    pool.cache(b, b"h-a", [1, 2])  # the name is taken: nothing new to report
+    pool.free([b, a])
+    pool.allocate(1)  # reuses b (freed first, unnamed): no eviction
+    pool.allocate(1)  # reuses a: its name is evicted
+    assert heard == [("stored", b"h-a"), ("removed", b"h-a")]
+    pool.check_integrity()
