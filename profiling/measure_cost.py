@@ -6,6 +6,10 @@ cost model's free constants (engine/cluster/cost_model.py) to them.
 Prefill: one prompt of n random tokens, prefix caching off, one output token. Decode step: the
 same batch run to 1 and to 33 output tokens (ignoring EOS); the difference over 32 steps. Prints
 the measurements beside the model's times, and the effective FLOP/s and bandwidth that fit.
+
+Status: its one run so far (load average 9 on the 2 cores, other agents' jobs) measured times
+10-40x the README's quiet-machine figures and stopped at a 15-minute limit, so the smollm2-cpu
+constants still come from the README's figures; rerun it on a quiet machine before refitting.
 """
 
 from __future__ import annotations
