@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--kv-cache-memory-gb", "0.25", "--kv-staging-mb", "64"]
+SMALL = ["--dtype", "float32", "--kv-cache-memory-gb", "0.25", "--kv-staging-mb", "64"]
 BODY = {"model": "default", "prompt": "The capital of France is", "max_tokens": 8,
         "temperature": 0}  # fmt: skip
 
