@@ -7,7 +7,8 @@ that feed it and the refusals can be checked without worker processes.
 - a repeated prompt goes back to the worker that served it (the Conductor records the placement,
   and the router's reports of the first token and the end drain the queue it estimated);
 - an SLO refusal reaches the embedded client as RequestRejectedError, the HTTP client as a 429
-  whose OpenAI-shaped error names the reason, and /metrics as request_rejected_total{reason};
+  whose OpenAI-shaped error names the reason, /metrics as request_rejected_total{reason}, and
+  the RPC client as an RPCError with code 429 and the reason;
 - the command-line flags reach the router's Conductor.
 """
 
@@ -23,7 +24,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from server.serverutil import http_server
+from server.serverutil import RPCThread, http_server
 
 from engine.cluster import messages as m
 from engine.cluster.conductor_placement import ConductorPlacement, RequestRejectedError
@@ -155,7 +156,7 @@ def test_repeated_prompt_returns_to_its_worker_and_queues_drain(make):
     assert sorted(w for w, _ in workers2.prefills) == ["p0", "p1"]
 
 
-def test_slo_refusal_is_a_429_with_the_reason_over_http(make):
+def test_slo_refusal_is_a_429_with_the_reason_over_http_and_rpc(make):
     router, workers = make(ttft_slo_s=1e-6)  # no prefill fits: every request is refused
 
     with pytest.raises(RequestRejectedError) as exc:
@@ -173,6 +174,13 @@ def test_slo_refusal_is_a_429_with_the_reason_over_http(make):
         metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
     line = next(x for x in metrics.splitlines() if 'reason="ttft_slo"' in x)
     assert line.startswith("engine:request_rejected_total") and line.endswith(" 1.0"), line
+
+    from engine.client import RPCClient, RPCError
+
+    with RPCThread(router) as rpc, RPCClient(rpc.address, timeout=30) as client:
+        with pytest.raises(RPCError) as info:
+            client.generate(PROMPT, max_tokens=1)
+    assert info.value.code == 429 and "ttft_slo" in info.value.message
 
 
 def test_no_live_worker_is_still_a_503_not_a_rejection():
