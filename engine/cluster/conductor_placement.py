@@ -101,7 +101,8 @@ class ConductorPlacement:
     def _sync(self, prefill: Sequence, decode: Sequence, now: float) -> None:
         live = {w.worker_id: "prefill" for w in prefill}
         live.update({w.worker_id: "decode" for w in decode})
-        for wid in [w for w in self._known if w not in live]:
+        gone = [w for w, role in self._known.items() if role != "pool" and w not in live]
+        for wid in gone:  # pools are not workers: they come and go by worker_joined/left
             self.conductor.remove_instance(wid, now)
             del self._known[wid]
         for wid, role in live.items():

@@ -349,6 +349,11 @@ class Router:
         if fn is not None:
             fn(*args)
 
+    def add_pool(self, source: str, events_address: str) -> None:
+        """A pool service whose block events (``source`` names it in them) the placement hears:
+        a holder prefill workers load prefixes from (conductor_placement.py)."""
+        self._command(("add_pool", source, events_address))
+
     def _command(self, cmd: tuple) -> None:
         self._commands.append(cmd)
         self._wake()
@@ -430,6 +435,10 @@ class Router:
             if req is not None:
                 self._abort_legs(req)
                 self._finish(req, "abort")
+        elif cmd[0] == "add_pool":
+            self.block_index[cmd[1]] = set()
+            self._events.connect(cmd[2])
+            self._tell("worker_joined", cmd[1], "pool", time.monotonic())
         elif cmd[0] == "abort_all":
             for req in list(self._requests.values()):
                 self._abort_legs(req)

@@ -218,3 +218,28 @@ def test_cli_flags_reach_the_routers_conductor():
         parser.parse_args(["cluster", "--policy", "nearest"])
     with pytest.raises(ValueError, match="ttft_slo_s"):
         Router(RouterConfig(ttft_slo_s=0))
+
+
+def test_kvcentric_plans_a_copy_from_a_pool_whose_events_hold_the_prefix(make):
+    """A pool service's events reach the Conductor (Router.add_pool, which the launcher calls for
+    --pool-service): kvcentric places the request with the pool's blocks copied to the chosen
+    prefill worker, which its own pool lookup then loads (the copy through the pool)."""
+    router, workers = make(policy="kvcentric", rejection="none")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    try:
+        router.add_pool("pool@test", pub.getsockopt_string(zmq.LAST_ENDPOINT))
+        chain = hash_blocks(PROMPT, 16)
+        ev = msgpack.packb({"type": "stored", "keys": chain, "source": "pool@test"})
+        deadline = time.monotonic() + 10
+        while router.prefix_blocks("pool@test", chain) < len(chain):
+            assert time.monotonic() < deadline, "the router never took the pool's event"
+            pub.send(ev)
+            time.sleep(0.05)
+        asyncio.run(first(router, PROMPT, "k"))
+    finally:
+        pub.close(linger=0)
+    d = router.placement.last_decision
+    assert d.prefix_blocks == len(chain)
+    assert [(c.src, c.dst, c.keys) for c in d.copies] == [("pool@test", d.prefill, tuple(chain))]
