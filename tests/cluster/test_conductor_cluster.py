@@ -51,3 +51,18 @@ def test_repeated_prompt_reuses_the_prefix_on_its_worker():
         )
         with pytest.raises(RequestRejectedError, match="ttft_slo"):
             asyncio.run(run(router, PROMPT, "c"))
+
+
+def test_pool_service_events_reach_the_conductor():
+    """--pool-service: the workers write their blocks to the pool, whose published events tell
+    the router's Conductor that the pool holds the prompt (a source kvcentric copies from)."""
+    with Cluster(1, 1, worker_args=WORKER_ARGS, pool_service="dram=64MiB") as c:
+        assert asyncio.run(run(c.router, PROMPT, "p")).finished
+        index = c.router.placement.conductor.index
+        pools = [h for h in index.holders() if h.startswith("pool@")]
+        assert pools == [f"pool@{c.pool_address.removeprefix('tcp://')}"]
+        chain = hash_blocks(PROMPT, 16)
+        deadline = time.monotonic() + 30
+        while index.match(pools[0], chain) < len(chain):
+            assert time.monotonic() < deadline, "the pool's events never reached the Conductor"
+            time.sleep(0.2)
