@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 LONG_PROMPT = list(range(1000, 1000 + 1200))  # 19 chunks of 64: seconds of prefill
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 WORKER_ARGS = ["--kv-cache-memory-gb", "0.25", "--max-num-batched-tokens", "64",
-               "--kv-staging-mb", "256"]  # fmt: skip
+               "--kv-staging-mb", "256", "--dtype", "float32"]  # fmt: skip
 
 
 def wait_until(cond, timeout=60.0, what=""):
