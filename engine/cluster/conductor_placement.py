@@ -15,7 +15,20 @@ adapter supplies what the Conductor needs from it:
   the real events should drive ``conductor`` through decision.Placer instead.
 
 A rejection returns None (the router answers it) and leaves the Decision, with its reason, in
-``last_decision`` for a 429.
+``last_decision``; ``rejection_error`` turns an SLO refusal into ``RequestRejectedError`` (HTTP
+429 with the reason; no live worker stays the router's 503).
+
+The router also reports what it sees, through optional methods it calls when present (so the
+plain ``RoundRobin`` needs none): ``worker_joined``/``worker_left`` (registrations, deaths and
+goodbyes), ``on_event`` (the workers' published block events, which the router subscribes to),
+``bind`` (the router's id for the request just placed), ``prefill_done`` (the first token came
+back from the prefill worker, with the prefix it really reused) and ``finished`` (completed,
+failed, aborted or abandoned for a retry). A bound request leaves the estimated lifecycle: its
+queues drain on these reports. The prefill's measured time is the router's view (placement to
+first token, so it includes the decode reservation and the transfer's tail) and is fed to the
+prefill-time model only when the worker had no other request of ours in prefill, so that queueing
+is not taken for compute. Decode step times are not reported to the router (heartbeats carry
+queue lengths and KV usage only), so the TBT model stays on its prior.
 """
 
 from __future__ import annotations
@@ -25,9 +38,40 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
-from engine.cluster.conductor import Conductor
-from engine.cluster.decision import Decision
+from engine.cluster.conductor import Conductor, ConductorConfig
+from engine.cluster.cost_model import get_cost_model
+from engine.cluster.decision import REJECT_TBT, REJECT_TTFT, Decision
+from engine.cluster.prefix_index import EventError
 from engine.kvcache.prefix_hash import hash_blocks
+from engine.scheduler import QueueFullError
+
+# The prior of the router's Conductor until measurements arrive: the engine's default model on a
+# CPU like this one (engine/cluster/cost_model.py states its constants).
+ROUTER_COST_MODEL = "smollm2-cpu"
+
+
+class RequestRejectedError(QueueFullError):
+    """The Conductor refused the request early (HTTP 429); ``reason`` is a decision.REJECT_*."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def make_placement(cfg) -> ConductorPlacement:
+    """The router's placement from its config (``policy``, ``rejection``, ``ttft_slo_s``,
+    ``tbt_slo_s``, ``block_size``); ConductorConfig validates them, naming the field."""
+    conductor = Conductor(
+        ConductorConfig(
+            policy=cfg.policy,
+            rejection=cfg.rejection,
+            ttft_slo_s=cfg.ttft_slo_s,
+            tbt_slo_s=cfg.tbt_slo_s,
+            block_tokens=cfg.block_size,
+        ),
+        prior=get_cost_model(ROUTER_COST_MODEL),
+    )
+    return ConductorPlacement(conductor, block_size=cfg.block_size)
 
 
 class ConductorPlacement:
@@ -50,11 +94,15 @@ class ConductorPlacement:
         self._known: dict[str, str] = {}  # worker id -> role
         self._due: list[tuple[float, int, str, str]] = []  # (time, seq, what, request id)
         self._seq = itertools.count()
+        self._bound: dict[str, tuple[str, float, bool]] = {}  # router id -> (ours, placed, alone)
+        self._reported: set[str] = set()  # our ids the router reports the lifecycle of
+        self._in_prefill: dict[str, set[str]] = {}  # prefill worker -> router ids in prefill
 
     def _sync(self, prefill: Sequence, decode: Sequence, now: float) -> None:
         live = {w.worker_id: "prefill" for w in prefill}
         live.update({w.worker_id: "decode" for w in decode})
-        for wid in [w for w in self._known if w not in live]:
+        gone = [w for w, role in self._known.items() if role != "pool" and w not in live]
+        for wid in gone:  # pools are not workers: they come and go by worker_joined/left
             self.conductor.remove_instance(wid, now)
             del self._known[wid]
         for wid, role in live.items():
@@ -65,6 +113,8 @@ class ConductorPlacement:
     def _expire(self, now: float) -> None:
         while self._due and self._due[0][0] <= now:
             t, _, what, rid = heapq.heappop(self._due)
+            if rid in self._reported:
+                continue
             if what == "prefill":
                 self.conductor.on_prefill_done(rid, t)
                 end = t + self.conductor.decode_time_s()
@@ -73,7 +123,72 @@ class ConductorPlacement:
                 self.conductor.on_request_finished(rid, t)
 
     def on_event(self, worker_id: str, event: dict) -> bool:
-        return self.conductor.on_event(worker_id, event)
+        try:
+            return self.conductor.on_event(worker_id, event)
+        except EventError:
+            return False  # a malformed event is a lost hint, never a stopped router
+
+    # -- what the router reports (all optional) -------------------------------------------------
+
+    def worker_joined(self, worker_id: str, role: str, now: float) -> None:
+        if worker_id in self._known:  # a restart under the same name: a fresh instance
+            self.worker_left(worker_id, now)
+        self.conductor.add_instance(worker_id, role)
+        self._known[worker_id] = role
+
+    def worker_left(self, worker_id: str, now: float) -> None:
+        if self._known.pop(worker_id, None) is not None:
+            self.conductor.remove_instance(worker_id, now)
+        self._in_prefill.pop(worker_id, None)
+
+    def bind(self, router_id: str) -> None:
+        """``router_id`` names the request ``place`` accepted last."""
+        d = self.last_decision
+        if d is None or not d.accepted:
+            return
+        busy = self._in_prefill.setdefault(d.prefill, set())
+        self._bound[router_id] = (d.request_id, self.clock(), not busy)
+        busy.add(router_id)
+        self._reported.add(d.request_id)
+
+    def prefill_done(self, router_id: str, now: float, cached_tokens: int | None = None) -> None:
+        bound = self._bound.get(router_id)
+        if bound is None:
+            return
+        rid, placed, alone = bound
+        self._left_prefill(router_id)
+        seconds = now - placed if alone else None
+        self.conductor.on_prefill_done(rid, now, seconds, cached_tokens)
+
+    def finished(self, router_id: str, now: float, output_tokens: int | None = None) -> None:
+        bound = self._bound.pop(router_id, None)
+        if bound is None:
+            return
+        self._left_prefill(router_id)
+        self._reported.discard(bound[0])
+        self.conductor.on_request_finished(bound[0], now, output_tokens)
+
+    def _left_prefill(self, router_id: str) -> None:
+        for ids in self._in_prefill.values():
+            ids.discard(router_id)
+
+    def rejection_error(self) -> RequestRejectedError | None:
+        """The last refusal as a 429, if it was the SLOs' (no live worker is not a 429)."""
+        d = self.last_decision
+        if d is None or d.accepted or d.reason not in (REJECT_TTFT, REJECT_TBT):
+            return None
+        what = "time to first token" if d.reason == REJECT_TTFT else "time between tokens"
+        slo = (
+            self.conductor.config.ttft_slo_s
+            if d.reason == REJECT_TTFT
+            else (self.conductor.config.tbt_slo_s)
+        )
+        est = d.est_ttft_s if d.reason == REJECT_TTFT else d.est_tbt_s
+        return RequestRejectedError(
+            d.reason,
+            f"rejected by the cluster's admission ({d.reason}): the estimated {what} "
+            f"{est:.3g} s would exceed its SLO of {slo:.3g} s; retry later",
+        )
 
     def place(self, prompt_token_ids: Sequence[int], prefill: Sequence, decode: Sequence):
         now = self.clock()

@@ -257,7 +257,7 @@ class KVSender(KVConnector):
                     continue
                 if item[0] == "layer":
                     _, t, layer, start, end, bufs = item
-                    parts = [b.numpy().view("u1").reshape(-1) for b in bufs]
+                    parts = [b.reshape(-1).view(torch.uint8).numpy() for b in bufs]  # bf16 too
                     header = m.KVLayer(
                         t.request_id, layer, start, end, checksum(*parts), t.transport == "tcp"
                     )

@@ -104,8 +104,9 @@ class Cluster:
                     f"--pool-service takes dram=SIZE and ssd=PATH:SIZE, got {part.strip()!r}"
                 )
             args += [f"--{key}", value]
-        port = free_port()
-        cmd = [sys.executable, "-m", "engine", "pool", "serve", *args, "--port", str(port)]
+        port, events = free_port(), free_port()
+        cmd = [sys.executable, "-m", "engine", "pool", "serve", *args, "--port", str(port),
+               "--events-port", str(events)]  # fmt: skip
         proc = subprocess.Popen(cmd, env=dict(os.environ if self.env is None else self.env))
         self.procs["pool"] = proc
         deadline = time.monotonic() + timeout
@@ -114,6 +115,7 @@ class Cluster:
                 raise RuntimeError(f"the pool service exited with {proc.returncode}")
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                self.router.add_pool(f"pool@127.0.0.1:{port}", f"tcp://127.0.0.1:{events}")
                 return f"tcp://127.0.0.1:{port}"
             except OSError:
                 if time.monotonic() > deadline:

@@ -1,7 +1,8 @@
 """Where a request runs: one prefill worker and one decode worker, picked among the live ones.
 
 The router asks a ``Placement``; the Conductor (KVCache-centric: prefix match, queueing, transfer
-cost, the decode SLO) will be another implementation of the same one method.
+cost, the decode SLO), adapted by conductor_placement.ConductorPlacement, is the router's default
+(RouterConfig.policy/rejection); ``RoundRobin`` stays for a router handed it explicitly.
 """
 
 from __future__ import annotations

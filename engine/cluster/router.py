@@ -60,6 +60,12 @@ class RouterConfig:
     max_pending: int = 4096
     kv_transport: str | None = None  # None: shm when both workers share a host, else tcp
     stream_layers: bool = True
+    # The Conductor's placement (conductor_placement.make_placement validates these).
+    policy: str = "kvcentric"
+    rejection: str = "predicted"
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    block_size: int = 16  # the workers' KV block size: prompts are hashed as they hash them
 
     def __post_init__(self) -> None:
         for name in (
@@ -145,6 +151,10 @@ class Router:
         self.model_config = meta.config
         self.model_path = meta.path
         self.max_model_len = cfg.max_model_len or meta.config.max_position_embeddings
+        if placement is None:
+            from engine.cluster.conductor_placement import make_placement
+
+            placement = make_placement(cfg)
         self.placement = placement or RoundRobin()
         self.stats = EngineMetrics()
         self.workers: dict[str, _Worker] = {}
@@ -333,6 +343,17 @@ class Router:
 
     # -- callers -> IO thread ---------------------------------------------------------------
 
+    def _tell(self, what: str, *args) -> None:
+        """Report to the placement what happened, if it listens (conductor_placement.py)."""
+        fn = getattr(self.placement, what, None)
+        if fn is not None:
+            fn(*args)
+
+    def add_pool(self, source: str, events_address: str) -> None:
+        """A pool service whose block events (``source`` names it in them) the placement hears:
+        a holder prefill workers load prefixes from (conductor_placement.py)."""
+        self._command(("add_pool", source, events_address))
+
     def _command(self, cmd: tuple) -> None:
         self._commands.append(cmd)
         self._wake()
@@ -414,6 +435,10 @@ class Router:
             if req is not None:
                 self._abort_legs(req)
                 self._finish(req, "abort")
+        elif cmd[0] == "add_pool":
+            self.block_index[cmd[1]] = set()
+            self._events.connect(cmd[2])
+            self._tell("worker_joined", cmd[1], "pool", time.monotonic())
         elif cmd[0] == "abort_all":
             for req in list(self._requests.values()):
                 self._abort_legs(req)
@@ -439,7 +464,8 @@ class Router:
     def _place(self, req: _Request) -> None:
         placed = self.placement.place(req.ids, self._live("prefill"), self._live("decode"))
         if placed is None:
-            self._fail(req, ClusterUnavailableError("no live prefill and decode workers"))
+            exc = getattr(self.placement, "rejection_error", lambda: None)()  # an SLO's: 429
+            self._fail(req, exc or ClusterUnavailableError("no live prefill and decode workers"))
             return
         req.prefill, req.decode = placed
         req.phase = "reserving"
@@ -449,6 +475,7 @@ class Router:
         self._wire.pop(req.wire_id, None)
         req.wire_id = f"{req.request_id}/{req.attempts}"
         self._wire[req.wire_id] = req
+        self._tell("bind", req.wire_id)
         msg = m.DecodeRequest(
             req.wire_id, req.ids, params_to_wire(req.params), self.cfg.transfer_deadline_s
         )
@@ -460,6 +487,7 @@ class Router:
         if req.streamed or req.attempts >= self.cfg.max_retries:
             self._fail(req, ClusterUnavailableError(f"request {req.request_id}: {why}"))
             return
+        self._tell("finished", req.wire_id, time.monotonic())  # this attempt is abandoned
         req.attempts += 1
         log.warning("request %s: %s; placing it again", req.request_id, why)
         self._place(req)
@@ -472,6 +500,7 @@ class Router:
         req.prefill = req.decode = ""
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
+        self._tell("finished", req.wire_id, time.monotonic())
         self._requests.pop(req.request_id, None)
         self._wire.pop(req.wire_id, None)
         with self.stats.lock:
@@ -532,6 +561,7 @@ class Router:
             if wid == req.prefill and req.phase == "prefill":
                 req.phase = "decode"
                 req.metrics.num_cached_tokens = msg.num_cached_tokens
+                self._tell("prefill_done", req.wire_id, now, msg.num_cached_tokens)
             self._apply(req, msg.outputs)
         elif isinstance(msg, m.TransferFailed):
             if wid != req.decode:
@@ -578,6 +608,7 @@ class Router:
             last_seen=now,
         )
         self.block_index[msg.worker_id] = set()
+        self._tell("worker_joined", msg.worker_id, msg.role, now)
         if msg.events_address:
             self._events.connect(msg.events_address)
         if self.cfg.max_model_len is None:
@@ -683,6 +714,7 @@ class Router:
                     r = c.finish_reason
                     self.stats.finished[r] = self.stats.finished.get(r, 0) + 1
         if finished:
+            self._tell("finished", req.wire_id, now, sum(len(c.tokens) for c in req.choices))
             self._requests.pop(req.request_id, None)
             self._wire.pop(req.wire_id, None)
         self._deliver(req, RequestOutput(req.request_id, req.prompt, req.ids, outs, finished, m_))
@@ -707,6 +739,8 @@ class Router:
                 index.update(k for k in keys if isinstance(k, bytes))
             elif kind == "removed":
                 index.difference_update(k for k in keys if isinstance(k, bytes))
+            if isinstance(ev, dict):
+                self._tell("on_event", source, ev)
 
     def prefix_blocks(self, worker_id: str, block_hashes: list[bytes]) -> int:
         """How many leading blocks of a chain the worker holds, by its events (a hint)."""
@@ -720,6 +754,7 @@ class Router:
 
     def _on_death(self, w: _Worker, state: str) -> None:
         w.state = state
+        self._tell("worker_left", w.worker_id, time.monotonic())
         self.block_index.pop(w.worker_id, None)
         if w.events_address:
             try:

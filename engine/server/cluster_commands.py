@@ -31,6 +31,7 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
     r = subparsers.add_parser("router", help="the cluster's router behind the HTTP server")
     r.add_argument("--model", default="default")
     r.add_argument("--address", default="tcp://127.0.0.1:5557", help="control endpoint to bind")
+    r.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
     _router_args(r)
     r.set_defaults(func=cmd_router)
 
@@ -73,7 +74,29 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-address", default=None, help="also serve the ZeroMQ RPC API here")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--no-layer-streaming", action="store_true", help="send KV after prefill")
+    _placement_args(p)
     _common(p)
+
+
+def _placement_args(p: argparse.ArgumentParser) -> None:
+    from engine.cluster.conductor import POLICIES
+    from engine.cluster.rejection import REJECTIONS
+
+    p.add_argument("--policy", default="kvcentric", choices=POLICIES, help="placement")
+    p.add_argument("--rejection", default="predicted", choices=REJECTIONS, help="early rejection")
+    p.add_argument("--ttft-slo", type=float, default=30.0, help="seconds (rejection)")
+    p.add_argument("--tbt-slo", type=float, default=0.1, help="seconds (rejection)")
+
+
+def placement_config(args: argparse.Namespace) -> dict:
+    """The router's placement fields from the command line (RouterConfig)."""
+    return dict(
+        policy=args.policy,
+        rejection=args.rejection,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        block_size=args.block_size,
+    )
 
 
 def _logging(level: str) -> None:
@@ -110,6 +133,7 @@ def _router_config(args: argparse.Namespace, address: str):
         model=args.model,
         heartbeat_timeout_s=args.heartbeat_timeout,
         stream_layers=not args.no_layer_streaming,
+        **placement_config(args),
     )
 
 

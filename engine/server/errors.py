@@ -52,6 +52,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.headers = headers or {}
+        self.reason: str | None = None  # a 429's cause for request_rejected_total{reason}
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param)
@@ -84,7 +85,9 @@ def to_api_error(exc: BaseException, aliases: dict[str, str] | None = None) -> A
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+        err = APIError(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+        err.reason = getattr(exc, "reason", None)  # the cluster's admission says why
+        return err
     if isinstance(exc, EngineShuttingDownError):
         return APIError(503, str(exc) or "the server is shutting down")
     if isinstance(exc, EngineDeadError):

@@ -96,7 +96,7 @@ def build_app(
 
     def fail(err: APIError) -> JSONResponse:
         if err.status == 429:
-            rejections.add("queue_full")
+            rejections.add(err.reason or "queue_full")
         elif err.status == 503:
             rejections.add("shutting_down")
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)

@@ -21,8 +21,8 @@ from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, logprobs=3, max_tokens=8)
-WORKER_ARGS = ["--dtype", "float32", "--kv-cache-memory-gb", "0.25",
-               "--max-num-batched-tokens", "64", "--kv-staging-mb", "128"]  # fmt: skip
+WORKER_ARGS = ["--kv-cache-memory-gb", "0.25", "--max-num-batched-tokens", "64",
+               "--kv-staging-mb", "128", "--dtype", "float32"]  # fmt: skip
 
 
 def prompts():

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 
 LONG_PROMPT = list(range(1000, 1000 + 1200))  # 19 chunks of 64: seconds of prefill
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-WORKER_ARGS = ["--dtype", "float32", "--kv-cache-memory-gb", "0.25",
-               "--max-num-batched-tokens", "64", "--kv-staging-mb", "256"]  # fmt: skip
+WORKER_ARGS = ["--kv-cache-memory-gb", "0.25", "--max-num-batched-tokens", "64",
+               "--kv-staging-mb", "256", "--dtype", "float32"]  # fmt: skip
 
 
 def wait_until(cond, timeout=60.0, what=""):
@@ -105,7 +105,7 @@ def test_kills_restarts_and_drain():
         cluster.stop()
     for pid in pids:  # no orphans, no staging files
         assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
-    assert not [f for pid in pids for f in glob.glob(f"/dev/shm/engine-kvstage-{pid}-*")]
+    assert not [f for pid in pids for f in glob.glob(f"/dev/shm/engine-kv-{pid}-*")]
 
 
 def _zombie(pid: int) -> bool:
