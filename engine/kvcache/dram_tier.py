@@ -17,7 +17,9 @@ under the tier's lock, before its slot is reused, so the store can demote it to 
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from engine.kvcache.namespace import KVNamespace
 from engine.kvcache.tier import PutResult, Tier
 
 SHM_PREFIX = "engine-kv-"
+_SHM_DIR = "/dev/shm"
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +57,11 @@ class DramTier(Tier):
             )
         self.on_evict = on_evict
         self._policy = make_policy(policy)
+        if shm_name is None:
+            remove_orphan_arenas()
         self._shm = shared_memory.SharedMemory(
-            name=shm_name or f"{SHM_PREFIX}{uuid.uuid4().hex[:16]}",
+            # The owner's pid in the name lets a later start remove the arena of a killed one.
+            name=shm_name or f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}",
             create=True,
             size=self.num_slots * self.block_bytes,
         )
@@ -261,3 +267,33 @@ class DramTier(Tier):
             self.close()
         except Exception:  # interpreter shutdown: the resource tracker unlinks what is left
             pass
+
+
+def remove_orphan_arenas(shm_dir: str = _SHM_DIR) -> list[str]:
+    """Unlink the DRAM arenas (``engine-kv-<pid>-<hex>``) whose owning process is gone: a
+    SIGKILLed engine or pool service cannot unlink its own, and each holds up to its whole
+    capacity of the host's shared memory. Returns the names removed."""
+    removed = []
+    for path in glob.glob(os.path.join(shm_dir, f"{SHM_PREFIX}*")):
+        name = os.path.basename(path)
+        pid_text = name[len(SHM_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+    if removed:
+        logger.warning("removed %d DRAM arena(s) left by dead processes: %s", len(removed), removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True

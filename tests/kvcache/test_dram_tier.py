@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from multiprocessing import shared_memory
 
@@ -141,3 +143,28 @@ def test_threads_never_see_torn_blocks(tier):
     assert errors == []
     s = tier.stats()
     assert s["blocks"] <= 4 and s["pinned"] == 0 and s["reserved"] == 0
+
+
+def test_a_new_arena_removes_those_of_dead_owners_only():
+    """A SIGKILLed owner cannot unlink its arena; the next tier created on the host does."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = f"{SHM_PREFIX}{dead.pid}-0123456789abcdef"
+    live = f"{SHM_PREFIX}{os.getpid()}-fedcba9876543210"
+    foreign = f"{SHM_PREFIX}notapid"
+    for name in (orphan, live, foreign):
+        with open(f"/dev/shm/{name}", "wb") as f:
+            f.write(b"x")
+    try:
+        t = DramTier(4 * small_namespace().block_bytes, small_namespace())
+        try:
+            assert t.shm_name.startswith(f"{SHM_PREFIX}{os.getpid()}-")
+            assert not os.path.exists(f"/dev/shm/{orphan}")
+            assert os.path.exists(f"/dev/shm/{live}")
+            assert os.path.exists(f"/dev/shm/{foreign}")
+        finally:
+            t.close()
+    finally:
+        for name in (orphan, live, foreign):
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
