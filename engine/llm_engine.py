@@ -8,7 +8,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -22,7 +24,7 @@ from engine.layers.llama import LayerHook, LlamaForCausalLM
 from engine.metrics import EngineMetrics, MetricsSnapshot, StepTimes
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import Request
 from engine.sampling import Sampler, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
@@ -30,6 +32,18 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.stop_conditions import check_stop, safe_text_len
 
 logger = logging.getLogger("engine")
+
+HANDED_OVER = "handed_over"  # finish reason of a choice that goes on in another engine
+
+
+class FirstToken(NamedTuple):
+    """A choice's first token, sampled by another engine that prefilled the prompt (a prefill
+    worker), and the state that continues it here exactly as if this engine had sampled it."""
+
+    token: int
+    logprob: TokenLogprob | None = None
+    sent_text_len: int = 0  # characters of its text the client has seen already
+    generator_state: bytes | None = None  # the seeded generator's state after sampling it
 
 
 @dataclass
@@ -185,6 +199,55 @@ class LLMEngine:
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(ids) * params.n
         return rid
+
+    def add_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        firsts: Sequence[FirstToken],
+    ) -> list[str]:
+        """Join a request whose prompt another engine prefilled and whose choices sampled their
+        first tokens there: each choice goes on from its first token as if sampled here (stop
+        checks, detokenizer, logprobs, the generator's position); its prompt KV comes from the
+        connector (or is recomputed). Returns the ids of the choices that still generate."""
+        if len(firsts) != params.n:
+            raise ValueError(
+                f"firsts must hold one token per choice (n={params.n}), got {len(firsts)}"
+            )
+        rid = self.add_request(prompt_token_ids, params, request_id=request_id)
+        now = time.monotonic()
+        live = []
+        for req, first in zip(self._parents[rid].children, firsts):
+            if first.generator_state is not None and req.generator is not None:
+                state = torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8)
+                req.generator.set_state(state)
+            self._append(req, first.token, first.logprob, now)
+            req.sent_text_len, req.sent_tokens = first.sent_text_len, 1
+            if not req.is_finished:
+                live.append(req.request_id)
+        return live
+
+    def requests_of(self, request_id: str) -> list[Request]:
+        """The engine requests (one per choice) of a request in flight; [] once it ended."""
+        parent = self._parents.get(request_id)
+        return list(parent.children) if parent is not None else []
+
+    def hand_over(self, request_id: str) -> bool:
+        """The choices that sampled their first token go on in another engine: they stop here
+        with finish reason ``handed_over`` (counted as such, not as aborts) and free their
+        blocks. Once every choice ended, the request is gone. False for an unknown id."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return False
+        for child in parent.children:
+            if not child.is_finished and child.num_output_tokens >= 1:
+                self.scheduler.finish(child, HANDED_OVER)
+                self._count_finished(child)
+        if all(c.is_finished for c in parent.children):
+            self._pending.append(self._make_output(parent, final=True))
+            del self._parents[request_id]
+        return True
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. Unknown or finished ids are a no-op."""

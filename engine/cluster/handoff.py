@@ -5,22 +5,17 @@ sampled its first token, then ``capture`` records per choice what the decode sid
 exactly as a colocated engine would: the token and its logprobs, the stop state (finish reason,
 stop reason, the text cut), the stream cursors (text already handed to the client), and the
 seeded generator's state (the position in its random stream). The decode worker's ``admit``
-re-creates the request in its engine and replays that first token through the engine's own
-append path (detokenizer, stop checks, logprobs), then restores the cursors and the generator.
-
-This reaches into the engine's request objects (``scheduler.requests``, ``_append``): the
-handoff is the one place where the cluster acts on a request mid-flight, and keeping it here keeps
-the core free of cluster knowledge.
+re-creates the request in its engine with ``LLMEngine.add_prefilled``, which replays that first
+token through the engine's own append path (detokenizer, stop checks, logprobs) and restores the
+cursors and the generator. The prefill side ends its choices with ``LLMEngine.hand_over``
+(finish reason ``handed_over``, not an abort). Only those public engine methods are used.
 """
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
-import torch
-
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import FirstToken, LLMEngine
 from engine.outputs import CompletionOutput, TokenLogprob
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -29,15 +24,6 @@ from engine.sampling_params import SamplingParams
 class Captured(NamedTuple):
     first: dict  # the KVDone "firsts" entry
     generator_state: bytes | None
-
-
-def child_ids(request_id: str, n: int) -> list[str]:
-    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-
-
-def children(engine: LLMEngine, request_id: str, n: int) -> list[Request]:
-    """The engine requests of a just-added request (call before any step)."""
-    return [engine.scheduler.requests[c] for c in child_ids(request_id, n)]
 
 
 def lp_to_wire(lp: TokenLogprob | None) -> list | None:
@@ -111,19 +97,18 @@ def admit(
     states: list[bytes],
 ) -> list[str]:
     """Add the request to the decode engine; with ``firsts``, every choice continues from its
-    first token. Returns the engine request ids (for the KV receiver)."""
-    engine.add_request(prompt_token_ids, params, request_id=request_id)
-    reqs = children(engine, request_id, params.n)
+    first token. Returns the engine request ids that still generate (for the KV receiver)."""
     if firsts is None:
-        return [r.request_id for r in reqs]
+        engine.add_request(prompt_token_ids, params, request_id=request_id)
+        return [r.request_id for r in engine.requests_of(request_id)]
     states_iter = iter(states)
-    now = time.monotonic()
-    for req, first in zip(reqs, sorted(firsts, key=lambda f: f["index"])):
-        if first.get("generator"):
-            state = next(states_iter)
-            if req.generator is not None:
-                req.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-        engine._append(req, first["token"], lp_from_wire(first["logprob"]), now)
-        req.sent_text_len = first["sent_text_len"]
-        req.sent_tokens = 1
-    return [r.request_id for r in reqs]
+    tokens = [
+        FirstToken(
+            first["token"],
+            lp_from_wire(first["logprob"]),
+            first["sent_text_len"],
+            next(states_iter) if first.get("generator") else None,
+        )
+        for first in sorted(firsts, key=lambda f: f["index"])
+    ]
+    return engine.add_prefilled(prompt_token_ids, params, request_id, tokens)

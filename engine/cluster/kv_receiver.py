@@ -3,17 +3,24 @@
 ``expect`` (when the router places a request here) reserves the request's staging area. The
 receiver thread takes ``KVLayer`` messages from any prefill worker (a PULL socket), checks each
 against the request's layout (a known request, a layer in range, tokens in range and not
-delivered before, the checksum of the bytes) and copies TCP frames into the staging area; shared
-memory ones were written there by the sender. ``KVDone`` ends the transfer: every layer must then
-cover every prompt token exactly once. The worker is told through ``events`` (a bounded queue)
-and a wake callback, and admits the request into its engine with the first token appended.
+delivered before, the checksum of the bytes). Shared memory pieces were written into the staging
+area by the sender; TCP pieces stay in the ZeroMQ frames they arrived in (received without a
+copy) until they are scattered into the cache, so their bytes are copied once on this side, as
+shared memory's are (the staging area still reserves their room: it bounds what is held).
+``KVDone`` ends the transfer: every layer must then cover every prompt token exactly once. The
+worker is told through ``events`` (a bounded queue) and a wake callback, and admits the request
+into its engine with the first token appended.
 
 Then the seam: ``lookup`` answers the prompt tokens the transfer holds (the request's tokens
 minus the last, the first token, which the decode worker computes), ``start_load`` notes where
 they go, and ``finished_loads`` (engine thread, between steps) scatters them from the staging
-area into the request's cache blocks. A failed transfer answers 0 (the decode worker prefills the
-prompt itself: policy ``recompute``). The staging area is freed once every choice loaded, or when
-the request ends, aborts or fails.
+area (or the frames) into the request's cache blocks. A failed transfer answers 0 (the decode
+worker prefills the prompt itself: policy ``recompute``). The staging area is freed once every
+choice loaded, or when the request ends, aborts or fails.
+
+``inner`` is the decode worker's own KV pool (``--kv-pool``, or the host's pool service), as the
+prefill worker's sender has one: the blocks the decode worker generates are saved to it, and a
+request without a transfer (recompute after a failed one) looks its prefix up there.
 """
 
 from __future__ import annotations
@@ -22,10 +29,10 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import zmq
 
@@ -45,6 +52,8 @@ class Transfer:
     layout: KVLayout
     deadline: float  # monotonic
     pieces: list[list[tuple[int, int]]] = field(default_factory=list)  # per layer, token ranges
+    inline: bool | None = None  # pieces come as frames (TCP) or lie in the staging area
+    frames: list[tuple] = field(default_factory=list)  # TCP: (layer, start, end, K, V) buffers
     error: str | None = None
     done: m.KVDone | None = None
     finished: bool = False  # KVDone or a failure was reported to the worker
@@ -70,10 +79,15 @@ class KVReceiver(KVConnector):
         wake: Callable[[], None] | None = None,
         max_events: int = 4096,
         remote_writes: bool | None = None,
+        inner: KVConnector | None = None,
     ) -> None:
         """remote_writes: senders write into the arena themselves (shared memory, Mooncake), so
-        an area released before its sender is done is quarantined. Default: the arena is shared."""
+        an area released before its sender is done is quarantined. Default: the arena is shared.
+        inner: the worker's KV pool (saves, and loads of requests without a transfer)."""
         self.kv = kv_cache
+        self.inner = inner
+        self.per_layer = inner is not None and inner.per_layer
+        self._inner_loads: set[str] = set()  # requests whose lookup the pool answered
         self.block_size = block_size
         self.arena = arena
         self.remote_writes = bool(arena.path) if remote_writes is None else remote_writes
@@ -179,11 +193,20 @@ class KVReceiver(KVConnector):
     def lookup(self, req, block_hashes, num_device_tokens: int) -> int:
         with self._lock:
             t = self._by_child.get(req.request_id)
-            if t is None or not t.ok or t.freed:
-                return 0
-            return max(0, min(req.num_tokens - 1, t.layout.num_tokens) - num_device_tokens)
+            if t is not None and t.ok and not t.freed:
+                return max(0, min(req.num_tokens - 1, t.layout.num_tokens) - num_device_tokens)
+        if self.inner is None:
+            return 0
+        n = self.inner.lookup(req, block_hashes, num_device_tokens)
+        if n > 0:
+            self._inner_loads.add(req.request_id)
+        return n
 
     def start_load(self, req, block_table, start_token: int, num_tokens: int) -> None:
+        if req.request_id in self._inner_loads:
+            self._inner_loads.discard(req.request_id)
+            self.inner.start_load(req, block_table, start_token, num_tokens)
+            return
         with self._lock:
             t = self._by_child[req.request_id]
             self._loads.append((req.request_id, t, list(block_table), start_token, num_tokens))
@@ -191,7 +214,7 @@ class KVReceiver(KVConnector):
     def finished_loads(self) -> list[LoadDone]:
         with self._lock:
             loads, self._loads = self._loads, []
-        out = []
+        out = self.inner.finished_loads() if self.inner is not None else []
         for child, t, table, start, n in loads:
             with self._lock:
                 live = not t.freed and child in t.children
@@ -209,10 +232,26 @@ class KVReceiver(KVConnector):
 
     def _scatter(self, t: Transfer, table: list[int], start: int, n: int) -> None:
         L, T = t.layout.num_layers, t.layout.num_tokens
+        if t.inline:
+            self._scatter_frames(t, table, start, n)
+            return
         staged = self.arena.view(t.offset, t.layout.nbytes).view(self.kv.dtype)
         staged = staged.view(L, 2, T, *self.kv.shape[4:])[:, :, start : start + n]
         table_t = torch.tensor(table, dtype=torch.long, device=self.kv.device)
         scatter_tokens(staged.to(self.kv.device), self.kv, table_t, start)
+
+    def _scatter_frames(self, t: Transfer, table: list[int], start: int, n: int) -> None:
+        """Tokens [start, start + n) from the frames they came in, piece by piece."""
+        table_t = torch.tensor(table, dtype=torch.long, device=self.kv.device)
+        row = self.kv.shape[4:]
+        for layer, a, b, *kv_bufs in t.frames:
+            lo, hi = max(a, start), min(b, start + n)
+            if lo >= hi:
+                continue
+            for kv, buf in enumerate(kv_bufs):
+                rows = _from_frame(buf, self.kv.dtype).view(b - a, *row)[lo - a : hi - a]
+                dst = self.kv[layer : layer + 1, kv : kv + 1]
+                scatter_tokens(rows.view(1, 1, hi - lo, *row).to(self.kv.device), dst, table_t, lo)
 
     def request_finished(self, req) -> None:
         with self._lock:
@@ -221,14 +260,32 @@ class KVReceiver(KVConnector):
                 t.children.discard(req.request_id)
                 if not t.children:
                     self._free(t)
+        self._inner_loads.discard(req.request_id)
+        if self.inner is not None:
+            self.inner.request_finished(req)
+
+    def wait(self, timeout: float) -> None:
+        if self.inner is not None:
+            self.inner.wait(timeout)
+
+    def save(self, req, block_table, block_hashes, first_block: int, num_blocks: int) -> None:
+        if self.inner is not None:
+            self.inner.save(req, block_table, block_hashes, first_block, num_blocks)
+
+    def save_layer(self, layer: int, step) -> None:
+        if self.inner is not None and self.inner.per_layer:
+            self.inner.save_layer(layer, step)
 
     def stats(self) -> dict:
-        return {}
+        return self.inner.stats() if self.inner is not None else {}
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5.0)
         self._sock.close(linger=0)
+        if self.inner is not None:
+            self.inner.close()
+            self.inner = None
 
     # -- internals --------------------------------------------------------------------------
 
@@ -237,6 +294,7 @@ class KVReceiver(KVConnector):
         if not t.freed:
             t.freed = True
             self.arena.free(t.offset)
+            t.frames = []  # the TCP frames go back to ZeroMQ
         t.released_at = None
         if self._transfers.get(t.request_id) is t:
             del self._transfers[t.request_id]
@@ -285,7 +343,8 @@ class KVReceiver(KVConnector):
 
     def _recv_direct(self, head) -> bool:
         """A TCP layer for a live transfer whose checks pass: its K and V frames are received
-        straight into the staging area (no intermediate copy). False: take the generic path."""
+        without a copy, checked and kept (the lock is not held while hashing). False: take the
+        generic path (it drops the message or reports the problem)."""
         try:
             msg = m.decode([head], check_frames=False)
         except m.MessageError:
@@ -295,21 +354,23 @@ class KVReceiver(KVConnector):
         with self._lock:
             t = self._transfers.get(msg.request_id)
             if t is None or t.freed or t.finished or self._check_piece(t, msg) is not None:
-                return False  # the generic path drops it or reports the problem
-            k, v = self._views(t, msg)
-            for dst in (k, v):
-                n = self._sock.recv_into(dst) if self._sock.getsockopt(zmq.RCVMORE) else -1
-                if n != dst.nbytes:
-                    self._recv_rest()
-                    self._end(t, f"layer {msg.layer}: a frame of {n} bytes for {dst.nbytes}")
-                    return True
-            if self._recv_rest():
-                self._end(t, f"layer {msg.layer}: more than 2 data frames")
-            elif checksum(k, v) != msg.checksum:
-                self._end(t, f"layer {msg.layer}: checksum mismatch")
+                return False
+        length = (msg.end - msg.start) * self.token_bytes
+        got = self._recv_rest()
+        sizes = [f.buffer.nbytes for f in got]
+        err = None
+        if sizes != [length, length]:
+            err = f"layer {msg.layer}: frames of {sizes} bytes for 2 x {length}"
+        elif checksum(got[0].buffer, got[1].buffer) != msg.checksum:
+            err = f"layer {msg.layer}: checksum mismatch"
+        with self._lock:
+            if t.freed or t.finished:
+                return True  # released or failed meanwhile: late data is dropped
+            if err is not None:
+                self._end(t, err)
             else:
-                self._record(t, msg, k.nbytes)
-            return True
+                self._record(t, msg, length, got[0].buffer, got[1].buffer)
+        return True
 
     def _handle(self, msg: m.Message) -> None:
         with self._lock:
@@ -342,6 +403,8 @@ class KVReceiver(KVConnector):
             return f"layer {msg.layer} is out of range [0, {lay.num_layers})"
         if not 0 <= msg.start < msg.end <= T:
             return f"layer {msg.layer}: tokens [{msg.start}, {msg.end}) out of range [0, {T})"
+        if t.inline is not None and t.inline != msg.inline:
+            return f"layer {msg.layer}: frames and staged pieces mixed in one transfer"
         for a, b in t.pieces[msg.layer]:
             if msg.start < b and a < msg.end:
                 return f"layer {msg.layer}: tokens [{msg.start}, {msg.end}) delivered twice"
@@ -355,7 +418,11 @@ class KVReceiver(KVConnector):
         base = self.arena.view(t.offset, lay.nbytes).numpy()
         return base[k_off : k_off + length], base[v_off : v_off + length]
 
-    def _record(self, t: Transfer, msg: m.KVLayer, length: int) -> None:
+    def _record(self, t: Transfer, msg: m.KVLayer, length: int, k=None, v=None) -> None:
+        """Lock held: the piece is in (its bytes in the staging area, or the frames k, v)."""
+        t.inline = msg.inline
+        if msg.inline:
+            t.frames.append((msg.layer, msg.start, msg.end, k, v))
         t.pieces[msg.layer].append((msg.start, msg.end))
         t.last_piece_time = time.monotonic()
         self.counters["bytes_received"] += 2 * length
@@ -364,17 +431,16 @@ class KVReceiver(KVConnector):
         err = self._check_piece(t, msg)
         if err is not None:
             return err
-        k, v = self._views(t, msg)
-        length = k.nbytes
+        length = (msg.end - msg.start) * self.token_bytes
         if msg.inline:
             dk, dv = msg.frames
             if len(dk) != length or len(dv) != length:
                 return f"layer {msg.layer}: {len(dk)} + {len(dv)} bytes for 2 x {length}"
             if checksum(dk, dv) != msg.checksum:
                 return f"layer {msg.layer}: checksum mismatch"
-            k[:] = np.frombuffer(dk, dtype=np.uint8)
-            v[:] = np.frombuffer(dv, dtype=np.uint8)
-        elif checksum(k, v) != msg.checksum:
+            self._record(t, msg, length, dk, dv)
+            return None
+        if checksum(*self._views(t, msg)) != msg.checksum:
             return f"layer {msg.layer}: checksum mismatch"
         self._record(t, msg, length)
         return None
@@ -388,3 +454,10 @@ class KVReceiver(KVConnector):
             if covered != T:
                 return f"layer {i} is missing: {covered} of {T} tokens arrived"
         return None
+
+
+def _from_frame(buf, dtype: torch.dtype) -> torch.Tensor:
+    """A received frame's bytes as a flat tensor, without a copy (only ever read from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only buffer: torch warns writes are undefined
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)

@@ -5,9 +5,11 @@ right after layer i wrote this step's KV. For every request being sent, the laye
 tokens (and, on the first chunk, any prefix the prefill worker found cached) leave at once:
 
 - ``shm``: gathered from the paged cache straight into the decode worker's staging area (a
-  mapped /dev/shm file); the sender thread then hashes the bytes and sends a descriptor.
-- ``tcp``: gathered into a fresh buffer that the sender thread hashes and sends as one raw
-  ZeroMQ frame; ZeroMQ's IO thread writes it while layer i+1 computes.
+  mapped /dev/shm file) and hashed while the bytes are in the CPU cache; the sender thread
+  sends a descriptor.
+- ``tcp``: gathered into a reused buffer and hashed the same way; the sender thread sends it
+  as two raw ZeroMQ frames (K rows, V rows) without a copy, and ZeroMQ's IO thread writes them
+  while layer i+1 computes.
 
 Either way layer i is on its way while layer i+1 computes. ``finish`` queues ``KVDone`` (the
 first tokens and the sampler state) behind the request's last layer on the same socket, so the
@@ -169,14 +171,20 @@ class KVSender(KVConnector):
                 dst = dst.view(n, *row)
                 gather_tokens(layer_kv[kv], table_t, start, upto, dst)
                 views.append(dst)
-            item = ("layer", t, layer, start, upto, views)
+            item = ("layer", t, layer, start, upto, views, self._hot_hash(views))
         else:
             buf = self._buffer((2, n, *row))
             for kv in (0, 1):
                 gather_tokens(layer_kv[kv], table_t, start, upto, buf[kv])
-            item = ("layer", t, layer, start, upto, [buf])
+            item = ("layer", t, layer, start, upto, [buf], self._hot_hash([buf]))
         t.sent[layer] = upto
         self._put(t, item)
+
+    @staticmethod
+    def _hot_hash(bufs) -> int:
+        """The layer's checksum, taken right after the gather wrote it: the bytes are still in
+        the CPU cache (hashing them later on the sender thread reads them from memory again)."""
+        return checksum(*(b.reshape(-1).view(torch.uint8).numpy() for b in bufs))  # bf16 too
 
     def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
         while self._returns and self._returns[0][0].done:
@@ -256,11 +264,9 @@ class KVSender(KVConnector):
                 if t.failed:
                     continue
                 if item[0] == "layer":
-                    _, t, layer, start, end, bufs = item
-                    parts = [b.reshape(-1).view(torch.uint8).numpy() for b in bufs]  # bf16 too
-                    header = m.KVLayer(
-                        t.request_id, layer, start, end, checksum(*parts), t.transport == "tcp"
-                    )
+                    _, t, layer, start, end, bufs, crc = item
+                    parts = [b.reshape(-1).view(torch.uint8).numpy() for b in bufs]
+                    header = m.KVLayer(t.request_id, layer, start, end, crc, t.transport == "tcp")
                     if t.transport == "mooncake" and not self._write_remote(t, header, bufs[0]):
                         self._fail(t, f"Mooncake write to {t.peer_address} failed")
                         continue

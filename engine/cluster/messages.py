@@ -76,6 +76,7 @@ class Heartbeat(Message):
     used_blocks: int
     staging_used: int  # bytes of the staging arena held by transfers (decode)
     transfers: int  # transfers in flight (decode: receiving; prefill: sending)
+    finished: dict = field(default_factory=dict)  # its engine's finished requests by reason
 
 
 @dataclass(frozen=True)

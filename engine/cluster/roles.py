@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cluster import messages as m
-from engine.cluster.handoff import Captured, admit, capture, children, first_output, wire_output
+from engine.cluster.handoff import Captured, admit, capture, first_output, wire_output
 from engine.cluster.kv_receiver import KVReceiver
 from engine.cluster.kv_sender import KVSender, SendTarget
 from engine.cluster.transfer import KVLayout
@@ -75,7 +75,7 @@ class PrefillRole:
         except (ValueError, TypeError) as exc:
             self.emit(m.RequestError(rid, self.worker_id, 400, str(exc)))
             return
-        reqs = children(self.engine, rid, params.n)
+        reqs = self.engine.requests_of(rid)
         layout = KVLayout(
             self.sender.num_layers, len(msg.prompt_token_ids), self.sender.token_bytes
         )
@@ -113,8 +113,8 @@ class PrefillRole:
                 if req.num_output_tokens >= 1:
                     p.captured[i] = capture(i, req)
                     p.num_cached_tokens = max(p.num_cached_tokens, req.metrics.num_cached_tokens)
-                    if not req.is_finished:  # its KV left already; it must not decode on
-                        self.engine.scheduler.finish(req, "abort")
+                    # Its KV left already: it must not decode on here.
+                    self.engine.hand_over(rid)
                 elif req.is_finished:  # aborted or failed before a token: give up
                     self.abort(rid)
                     self.emit(m.RequestError(rid, self.worker_id, 500, "prefill failed"))
@@ -146,7 +146,6 @@ class PrefillRole:
                 num_cached_tokens=p.num_cached_tokens,
             )
         )
-        self.engine.abort_request(p.request_id)  # children finished: frees nothing more
 
     @property
     def num_requests(self) -> int:

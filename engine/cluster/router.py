@@ -257,7 +257,10 @@ class Router:
             raise ClusterUnavailableError(f"the cluster is not serving: {self.workers_status()}")
 
     def workers_status(self) -> dict[str, dict]:
+        """Every worker that ever registered: its state (up, draining, dead, left) and what its
+        last heartbeat said (/health and /metrics show these)."""
         out = {}
+        now = time.monotonic()
         for w in list(self.workers.values()):
             hb = w.hb
             out[w.worker_id] = {
@@ -271,6 +274,8 @@ class Router:
                 "used_blocks": hb.used_blocks if hb else 0,
                 "staging_used": hb.staging_used if hb else 0,
                 "transfers": hb.transfers if hb else 0,
+                "finished": dict(hb.finished) if hb else {},
+                "heartbeat_age_s": round(max(0.0, now - w.last_seen), 3),
             }
         return out
 

@@ -127,11 +127,10 @@ class Worker:
                 bind=f"tcp://{cfg.kv_host}:0",
                 wake=self._wake,
                 remote_writes=cfg.transport in ("shm", "mooncake"),
+                inner=self.engine.connector,  # its KV pool: saves what it generates
             )
             if self.mooncake is not None:
                 self.arena_addr = self.mooncake.register(self.arena.buf)
-            if self.engine.connector is not None:
-                self.engine.connector.close()  # the decode side loads only what prefill sends
             self._attach(self.receiver)
             self.role = DecodeRole(
                 self.engine, self.receiver, self.worker_id, self._emit, cfg.kv_load_failure
@@ -184,6 +183,8 @@ class Worker:
         try:
             while not self._stop.wait(self.cfg.heartbeat_s):
                 e = self.engine
+                with e.metrics.lock:
+                    finished = dict(e.metrics.finished)
                 hb = m.Heartbeat(
                     self.worker_id,
                     self.state,
@@ -193,6 +194,7 @@ class Worker:
                     int(e.kv.pool.counts().used),
                     self.arena.used if self.arena is not None else 0,
                     self.role.num_requests,
+                    finished=finished,
                 )
                 try:
                     sock.send_multipart(m.encode(hb), zmq.NOBLOCK)

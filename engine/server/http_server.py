@@ -180,13 +180,25 @@ def build_app(
         "/health",
         response_class=Response,
         responses={
-            200: {"description": "Healthy (an empty body)", "content": None},
+            200: {
+                "description": "Healthy (an empty body; a cluster's lists its workers)",
+                "content": None,
+            },
             **openapi.errors(503),
         },
     )
     async def health() -> Response:
         if state.draining:
             return JSONResponse(error_body(503, "the server is shutting down"), 503)
+        workers = getattr(llm, "workers_status", None)  # a cluster: list its workers
+        if workers is not None:
+            from engine.server.cluster_metrics import health_body
+
+            ok = llm.is_healthy()
+            body = health_body(workers(), ok)
+            if not ok:
+                body |= error_body(503, "the cluster has no live prefill and decode workers")
+            return JSONResponse(body, 200 if ok else 503)
         if not llm.is_healthy():
             return JSONResponse(error_body(503, "the engine is not running"), 503)
         return Response(status_code=200)

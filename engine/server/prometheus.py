@@ -120,6 +120,11 @@ class EngineCollector(Collector):
             s.queue_time_sum,
         )
         yield from pool_metrics(s.kv_pool, self.model_name)
+        workers = getattr(self.llm, "workers_status", None)  # a cluster's router
+        if workers is not None:
+            from engine.server.cluster_metrics import worker_metrics
+
+            yield from worker_metrics(workers(), self.model_name)
 
 
 # Per-tier counters of the KV pool: (stats key, metric name, help).

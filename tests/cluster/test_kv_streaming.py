@@ -29,15 +29,25 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, logprobs=3, max
 class Pair:
     """A prefill role and a decode role wired as the router would, in one process."""
 
-    def __init__(self, transport: str, prefill_tokens: int = 2048, policy: str = "recompute"):
+    def __init__(
+        self,
+        transport: str,
+        prefill_tokens: int = 2048,
+        policy: str = "recompute",
+        decode_pool: str | None = None,
+    ):
         self.p_engine = make_engine(max_tokens=prefill_tokens)
-        self.d_engine = make_engine()
+        self.d_engine = make_engine() if decode_pool is None else pool_engine(decode_pool)
         self.arena = StagingArena(64 << 20, shared=transport == "shm")
         self.transport = transport
         self.router: list[m.Message] = []
         cache = self.d_engine.cache
         self.receiver = KVReceiver(
-            cache.kv, self.d_engine.kv.block_size, self.arena, remote_writes=transport != "tcp"
+            cache.kv,
+            self.d_engine.kv.block_size,
+            self.arena,
+            remote_writes=transport != "tcp",
+            inner=self.d_engine.connector,  # its KV pool, as the decode worker passes it
         )
         self.peer, self.base, mc = "", 0, None
         if transport == "mooncake":
@@ -93,6 +103,14 @@ class Pair:
         self.sender.close()
         self.receiver.close()
         self.arena.close()
+
+
+def pool_engine(spec: str):
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    cache = CacheConfig(num_blocks=256, block_size=16)
+    return LLMEngine(EngineConfig(dtype="float32", device="cpu", cache=cache, kv_pool=spec))
 
 
 def assemble(msgs, rid, n):
@@ -169,16 +187,43 @@ def test_corrupt_layer_follows_policy(expected, policy):
         toks, _, _ = pair.run("c", PROMPT, GREEDY)
         failed = [x for x in pair.router if isinstance(x, m.TransferFailed)]
         assert len(failed) == 1 and "layer 3: checksum mismatch" in failed[0].reason
+        # The prefill side counts what it passed on as handed over, never as aborted.
+        assert pair.p_engine.metrics.finished == {"length": 1, "handed_over": 1}
         if policy == "recompute":
             assert failed[0].recompute
             assert toks == expected["greedy"][0]  # the decode worker prefilled it itself
             assert pair.d_engine.metrics.computed_prompt_tokens == len(PROMPT)
         else:
             assert not failed[0].recompute and toks[0] == expected["greedy"][0][0][:1]
+        # Released at the failure, the shared area is freed once the sender's KVDone came.
+        deadline = time.monotonic() + 10
+        while pair.arena.used and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert pair.arena.used == 0
         pair.d_engine.check_integrity()
     finally:
         pair.close()
+
+
+def test_decode_side_saves_the_blocks_it_generates_to_its_own_pool():
+    """--kv-pool on a decode worker: the blocks it completes while decoding go to its tiers
+    (the prompt's came over the wire and are the prefill worker's to save)."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompt = PROMPT[:40]  # blocks 0-1 full after prefill; 2-3 fill up while decoding
+    want = colocated(params, prompt)
+    pair = Pair("tcp", decode_pool="dram=16MiB")
+    try:
+        assert pair.run("g", prompt, params) == want
+        assert pair.d_engine.metrics.computed_prompt_tokens == 0  # the KV came over TCP
+        assert pair.d_engine.connector is pair.receiver
+        assert pair.receiver.inner.flush()
+        dram = pair.receiver.stats()["tiers"]["dram"]
+        assert dram["blocks"] == 2  # blocks 2 and 3: tokens 32-63
+        assert pair.d_engine.metrics_snapshot().kv_pool["tiers"]["dram"]["blocks"] == 2
+        pair.d_engine.check_integrity()
+    finally:
+        pair.close()
+    assert pair.receiver.inner is None  # closed with the receiver
 
 
 # -- the receiver alone, with synthetic layers ---------------------------------------------------
@@ -234,26 +279,30 @@ CHUNKS = [(layer, a, b) for layer in range(L) for a, b in ((0, 5), (5, 9), (9, 1
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_layer_once_in_any_order(transport, seed):
+@pytest.mark.parametrize("seed, first", [(0, 0), (1, 0), (2, 6)])
+def test_every_layer_once_in_any_order(transport, seed, first):
+    """first: tokens the decode side holds already (its prefix cache); the rest is loaded."""
     kv, arena, rx = synthetic(transport)
     try:
         t = rx.expect("r", 10, 30.0)
         full = send_layers(rx, arena, t, CHUNKS, seed, inline=transport == "tcp")
         assert wait_event(rx) == "r" and t.ok, t.error
+        if transport == "tcp":  # kept in the frames they came in: nothing copied to staging
+            assert int(arena.view(t.offset, t.layout.nbytes).count_nonzero()) == 0
         rx.admit("r", ["r"])
 
         class Req:
             request_id, num_tokens = "r", 11
 
-        assert rx.lookup(Req, [], 0) == 10
+        assert rx.lookup(Req, [], first) == 10 - first
         table = [5, 2, 7]  # tokens 0-3 -> block 5, 4-7 -> 2, 8-9 -> 7
-        rx.start_load(Req, table, 0, 10)
+        rx.start_load(Req, table, first, 10 - first)
         (done,) = rx.finished_loads()
-        assert done.num_tokens == 10 and done.error is None
+        assert done.num_tokens == 10 - first and done.error is None
         for tok in range(10):
             blk, off = table[tok // BS], tok % BS
-            assert torch.equal(kv[:, :, blk, off], full[:L, :, tok])
+            want = full[:L, :, tok] if tok >= first else torch.zeros_like(full[:L, :, tok])
+            assert torch.equal(kv[:, :, blk, off], want), tok
         assert arena.used == 0
     finally:
         rx.close()
