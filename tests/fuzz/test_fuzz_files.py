@@ -25,7 +25,8 @@ from engine.kvcache.ssd_tier import SsdTier
 HANG_S = 120  # a load that takes this long is a hang: the process dumps its stacks and exits
 RSS_GROWTH = 2 << 30
 COUNTS: dict[str, dict[str, int]] = {}
-FAST = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+FAST = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+FAST_SSD = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 LONG = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -65,7 +66,7 @@ def _load(path: Path, fmt: str) -> str:
         load_model(str(path), show_progress=False)
         outcome = "loaded"
     except (ValueError, OSError) as exc:
-        assert str(exc), "an error must say what is wrong"
+        assert str(path) in str(exc), f"the error must name the file: {exc!r}"
         outcome = type(exc).__name__
     finally:
         faulthandler.cancel_dump_traceback_later()
@@ -187,13 +188,15 @@ def _ssd(tmp_path_factory, damages_per_key) -> None:
     c = COUNTS.setdefault("ssd-record", {})
     c["records"] = c.get("records", 0) + len(keys)
     c["damaged"] = c.get("damaged", 0) + len(damaged)
-    c["damaged_read_as_hit"] = c.get("damaged_read_as_hit", 0) + sum(first[k] for k in damaged)
+    # A hit after "damage" means the damage changed nothing (zeros over zeros): the bytes were
+    # compared with the original above.
+    c["damage_was_a_no_op"] = c.get("damage_was_a_no_op", 0) + sum(first[k] for k in damaged)
 
 
 RECORD = 72 + 4096
 
 
-@FAST
+@FAST_SSD
 @given(damages_per_key=st.lists(st.none() | damage(RECORD, 80), min_size=1, max_size=8))
 def test_damaged_ssd_records(tmp_path_factory, damages_per_key):
     _ssd(tmp_path_factory, damages_per_key)
