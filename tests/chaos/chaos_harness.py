@@ -69,7 +69,7 @@ class ChaosConfig:
     targets: tuple[str, ...] = ("prefill", "pool", "router", "decode")
     kv_faults: str = "drop=0.03,corrupt=0.03,delay=0.04,delay_s=0.3"
     ssd_mb: int = 4  # the SSD tier's disk (a tmpfs when unshare can mount one)
-    dram_mb: int = 8
+    dram_mb: int = 2  # a few blocks: most are demoted to the SSD tier, which fills up
     start_timeout_s: float = 240.0
 
     def __post_init__(self) -> None:
@@ -190,6 +190,7 @@ class Chaos:
         self.events: list[tuple[float, str, str]] = []  # (time, action, target)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.t0 = time.monotonic()
         self.client = httpx.Client(base_url=self.url, timeout=cfg.deadline_s)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -456,8 +457,9 @@ def summarize(chaos: Chaos, run: dict, left: dict) -> dict:
     over = {name: p.peak_rss for name, p in chaos.procs.items()
             if p.peak_rss > MEMORY_BOUND[name]}  # fmt: skip
     pool_stats = run["pool_stats"].get("stats", {})
-    ssd_failed = sum(v.get("tiers", {}).get("ssd", {}).get("failed_writes", 0)
-                     for k, v in pool_stats.items() if k != "service")  # fmt: skip
+    ssd = [v.get("tiers", {}).get("ssd", {}) for k, v in pool_stats.items() if k != "service"]
+    errors = Counter(f"{r.status} {re.sub(r'cmpl-[0-9a-f]+(/[0-9]+)?', 'ID', r.detail)[:90]}"
+                     for r in chaos.results if r.kind in ("error_status", "connection"))  # fmt: skip
     return {
         "requests": len(chaos.results),
         "outcomes": dict(kinds),
@@ -465,7 +467,10 @@ def summarize(chaos: Chaos, run: dict, left: dict) -> dict:
         "kills": kills,
         "kv_faults": chaos.fault_counts(),
         "ssd_mode": chaos.ssd_mode,
-        "ssd_failed_writes_since_last_pool_start": ssd_failed,
+        "ssd_since_last_pool_start": {f: sum(s.get(f, 0) for s in ssd) for f in
+                                      ("blocks", "failed_writes", "bytes_written")},  # fmt: skip
+        "errors": dict(errors.most_common(8)),
+        "timeline": [(round(t - chaos.t0, 1), a, n) for t, a, n in chaos.events],
         "max_elapsed_s": round(max((r.elapsed for r in chaos.results), default=0.0), 1),
         "hung_clients": run["hung_clients"],
         "idle": run["idle"].get("idle", False),
