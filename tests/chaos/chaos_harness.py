@@ -458,8 +458,9 @@ def summarize(chaos: Chaos, run: dict, left: dict) -> dict:
             if p.peak_rss > MEMORY_BOUND[name]}  # fmt: skip
     pool_stats = run["pool_stats"].get("stats", {})
     ssd = [v.get("tiers", {}).get("ssd", {}) for k, v in pool_stats.items() if k != "service"]
-    errors = Counter(f"{r.status} {re.sub(r'cmpl-[0-9a-f]+(/[0-9]+)?', 'ID', r.detail)[:90]}"
-                     for r in chaos.results if r.kind in ("error_status", "connection"))  # fmt: skip
+    failed = [r for r in chaos.results if r.kind in ("error_status", "connection")]
+    ids = re.compile(r"cmpl-[0-9a-f]+(/[0-9]+)?")
+    errors = Counter(f"{r.status} {ids.sub('ID', r.detail)[:90]}" for r in failed)
     return {
         "requests": len(chaos.results),
         "outcomes": dict(kinds),
@@ -467,8 +468,9 @@ def summarize(chaos: Chaos, run: dict, left: dict) -> dict:
         "kills": kills,
         "kv_faults": chaos.fault_counts(),
         "ssd_mode": chaos.ssd_mode,
-        "ssd_since_last_pool_start": {f: sum(s.get(f, 0) for s in ssd) for f in
-                                      ("blocks", "failed_writes", "bytes_written")},  # fmt: skip
+        "ssd_since_last_pool_start": {
+            f: sum(s.get(f, 0) for s in ssd) for f in ("blocks", "failed_writes", "bytes_written")
+        },  # fmt: skip
         "errors": dict(errors.most_common(8)),
         "timeline": [(round(t - chaos.t0, 1), a, n) for t, a, n in chaos.events],
         "max_elapsed_s": round(max((r.elapsed for r in chaos.results), default=0.0), 1),
