@@ -193,27 +193,3 @@ def test_no_code_can_unpickle_or_evaluate():
                         problems.append(f"{where(node)} calls {base}.{name}")
     assert not problems, "\n".join(problems)
 
-
-def test_a_pool_service_removes_the_segments_of_dead_processes():
-    """Segments carry their creator's pid: a SIGKILLed pool's arenas are removed by the next
-    one (remove_dead_arenas at start), and a live process's are left alone."""
-    import subprocess
-
-    from engine.kvcache.dram_tier import SHM_PREFIX, arena_name, remove_dead_arenas
-
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    mine = f"/dev/shm/{arena_name('test')}"
-    theirs = f"/dev/shm/{SHM_PREFIX}{dead.pid}-testdead"
-    foreign = f"/dev/shm/{SHM_PREFIX}nonumber-test"
-    for path in (mine, theirs, foreign):
-        with open(path, "wb") as f:
-            f.write(b"x")
-    try:
-        assert remove_dead_arenas() >= 1
-        assert os.path.exists(mine) and os.path.exists(foreign)
-        assert not os.path.exists(theirs)
-    finally:
-        for path in (mine, theirs, foreign):
-            if os.path.exists(path):
-                os.unlink(path)
