@@ -192,4 +192,3 @@ def test_no_code_can_unpickle_or_evaluate():
                     if name != "loads" or base not in ("json", "orjson", "tomllib", "msgpack"):
                         problems.append(f"{where(node)} calls {base}.{name}")
     assert not problems, "\n".join(problems)
-
