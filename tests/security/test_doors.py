@@ -192,3 +192,21 @@ def test_no_code_can_unpickle_or_evaluate():
                     if name != "loads" or base not in ("json", "orjson", "tomllib", "msgpack"):
                         problems.append(f"{where(node)} calls {base}.{name}")
     assert not problems, "\n".join(problems)
+
+
+def test_write_doors_record():
+    from reliab_record import write_record
+
+    write_record(
+        "doors",
+        "closed-doors",
+        "CURVE forced over loopback on the router, the RPC server and a pool service process "
+        "(clients: ours, one without CURVE, one with an unknown key pair); binding beyond "
+        "loopback without keys; listener defaults over the whole command line; 10 crafted "
+        "shared-memory names and paths; an AST scan of engine/ and profiling/ for pickle, "
+        "marshal, eval/exec, torch.load without weights_only",
+        {"checks": 5},
+        "only our key pair got replies or registered; unauthenticated peers got nothing; "
+        "beyond-loopback bind refused without keys; every default listener on loopback; "
+        "crafted names refused before any open(); no unpickling or eval in the source",
+    )
