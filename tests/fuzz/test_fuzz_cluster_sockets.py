@@ -273,7 +273,7 @@ def test_kv_socket_takes_garbage_long(receiver, frames):
     _kv_garbage(receiver, frames)
 
 
-def test_kv_receiver_still_correct_and_idle_afterwards(receiver, fleet):
+def test_kv_receiver_still_correct_and_idle_afterwards(receiver, fleet, request):
     rx, arena, push = receiver
     _sync(rx, push, 1)
     rx.release("live")
@@ -304,6 +304,7 @@ def test_kv_receiver_still_correct_and_idle_afterwards(receiver, fleet):
         rx.release(rid)
         _wait(lambda: arena.used == 0, what="the staging arena to be idle")
     assert rx._thread.is_alive() and fleet.router._thread.is_alive()
+    assert request.session.testsfailed == 0, "an earlier check failed: no record"
     from reliab_record import write_record
 
     write_record(

@@ -169,7 +169,8 @@ def test_decoders_refuse_garbage_long(frames):
     _pool(frames)
 
 
-def test_write_decoder_record():
+def test_write_decoder_record(request):
+    assert request.session.testsfailed == 0, "an earlier check failed: no record"
     from reliab_record import write_record
 
     assert COUNTS["cluster_frames"] and COUNTS["pool_frames"]

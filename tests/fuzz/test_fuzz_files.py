@@ -209,7 +209,8 @@ def test_damaged_ssd_records_long(tmp_path_factory, damages_per_key):
     _ssd(tmp_path_factory, damages_per_key)
 
 
-def test_write_file_fuzz_record():
+def test_write_file_fuzz_record(request):
+    assert request.session.testsfailed == 0, "an earlier check failed: no record"
     from reliab_record import write_record
 
     assert COUNTS, "the file fuzz tests ran nothing"

@@ -161,7 +161,7 @@ def test_random_frames_are_answered_long(service, frames):
     _answered(service, frames)
 
 
-def test_afterwards_idle_bounded_and_serving(service):
+def test_afterwards_idle_bounded_and_serving(service, request):
     proc, peer, rss0 = service
     assert COUNTS["messages"] > 100
     stats = _idle(peer)
@@ -170,6 +170,7 @@ def test_afterwards_idle_bounded_and_serving(service):
     assert rss - rss0 < RSS_GROWTH, f"pool service grew {(rss - rss0) >> 20} MiB"
     got = peer.send(P.Get(namespace=NSID, keys=[_key(1)], shm=False))
     assert isinstance(got, P.GetOk)  # still serving
+    assert request.session.testsfailed == 0, "an earlier check failed: no record"
     from reliab_record import write_record
 
     write_record(

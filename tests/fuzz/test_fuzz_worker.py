@@ -170,7 +170,7 @@ def test_random_frames_long(worker, frames):
     _random(worker, frames)
 
 
-def test_afterwards_a_good_request_is_served_exactly(worker):
+def test_afterwards_a_good_request_is_served_exactly(worker, request):
     rss0 = psutil.Process(worker.proc.pid).memory_info().rss
     tokens = list(range(200, 232))
     msg = _prefill("good", prompt_token_ids=tokens, kv_address=worker.kv_address,
@@ -194,6 +194,7 @@ def test_afterwards_a_good_request_is_served_exactly(worker):
     worker.until(lambda x: worker.last_beat is not None and worker.last_beat.running == 0, 30)
     assert worker.proc.poll() is None
     grew = psutil.Process(worker.proc.pid).memory_info().rss - rss0
+    assert request.session.testsfailed == 0, "an earlier check failed: no record"
     from reliab_record import write_record
 
     write_record(
