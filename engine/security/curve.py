@@ -104,17 +104,24 @@ def is_loopback(address: str) -> bool:
         return False  # "*", an interface name or a host name: reachable from elsewhere
 
 
+def require_auth(address: str) -> CurveKeys | None:
+    """The keys to bind ``address`` with; ValueError if it is reachable from other hosts and
+    there are none (unless ENGINE_CURVE_INSECURE allows it)."""
+    keys = configured_keys()
+    if keys is None and not is_loopback(address) and not envs.curve_insecure():
+        raise ValueError(
+            f"binding {address} beyond loopback needs CURVE keys: give --curve-keys DIR or "
+            "ENGINE_CURVE_KEYS=DIR (make DIR with `engine keys generate DIR`), or set "
+            "ENGINE_CURVE_INSECURE=1 to serve unauthenticated peers"
+        )
+    return keys
+
+
 def secure_server(sock: zmq.Socket, address: str) -> None:
     """Before ``sock.bind(address)``: CURVE server with ZAP when keys are configured; without
-    them, ValueError if the address is reachable from other hosts (unless insecure is allowed)."""
-    keys = configured_keys()
+    them, ValueError if the address is reachable from other hosts (``require_auth``)."""
+    keys = require_auth(address)
     if keys is None:
-        if not is_loopback(address) and not envs.curve_insecure():
-            raise ValueError(
-                f"binding {address} beyond loopback needs CURVE keys: give --curve-keys DIR or "
-                "ENGINE_CURVE_KEYS=DIR (make DIR with `engine keys generate DIR`), or set "
-                "ENGINE_CURVE_INSECURE=1 to serve unauthenticated peers"
-            )
         return
     _start_authenticator(sock.context, keys.directory)
     sock.curve_secretkey = keys.server_secret
