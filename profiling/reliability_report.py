@@ -38,7 +38,7 @@ How to produce the records (each test writes its row only when its checks passed
 """
 
 DOORS = """
-## Closed doors (checked by tests/security, not counted above)
+## Closed doors (tests/security: the "doors" row)
 
 - Every ZeroMQ socket of the cluster (router control, worker block events, KV), the pool service
   (requests, events) and the RPC server uses CURVE when keys are given (`engine keys generate
@@ -97,6 +97,22 @@ def render(recs: list[dict], directory: Path) -> str:
             f"{_counts(r.get('counts', {}))} | {'' if dur is None else f'{dur:.0f} s'} | "
             f"{_cell(r['outcome'])} | {_cell(r.get('lost', ''))} | {r.get('when', '')} |"
         )
+    details = [r for r in recs if isinstance(r.get("summary"), dict) and r["summary"].get("errors")]
+    if details:
+        out.append("\n## What the clients of the chaos runs saw when a request failed\n")
+        out.append("Status 0: the connection was refused or closed (the router was down). ")
+        out.append("Every failure here is a clear error: the request was not answered wrongly.\n")
+        out.append("| run | status and reason | requests |")
+        out.append("| --- | --- | --- |")
+        for r in details:
+            for reason, n in r["summary"]["errors"].items():
+                out.append(f"| {r['name']} | {_cell(reason)} | {n} |")
+        out.append("")
+        out.append("| run | what happened when (s from the start) |")
+        out.append("| --- | --- |")
+        for r in details:
+            tl = r["summary"].get("timeline", [])
+            out.append(f"| {r['name']} | " + ", ".join(f"{t} {a} {n}" for t, a, n in tl) + " |")
     out.append(DOORS)
     return "\n".join(out) + "\n"
 

@@ -27,6 +27,8 @@ from engine.cluster.router import Router, RouterConfig
 from engine.cluster.transfer import StagingArena, checksum
 from engine.sampling_params import SamplingParams
 
+START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
+
 COUNTS = {"router_messages": 0, "event_messages": 0, "kv_messages": 0, "replays": 0}
 FAST = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 LONG = settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
@@ -316,4 +318,5 @@ def test_kv_receiver_still_correct_and_idle_afterwards(receiver, fleet, request)
         dict(COUNTS),
         "IO threads alive; the replayed request finished with its tokens once each; staging "
         "arena back to 0 bytes; a replayed KV piece fails its transfer cleanly",
+        duration_s=time.monotonic() - START,
     )

@@ -5,6 +5,7 @@ nothing. The default suite runs a bounded number of examples; the slow test runs
 
 from __future__ import annotations
 
+import time
 import tracemalloc
 
 import msgpack
@@ -16,6 +17,8 @@ from hypothesis import strategies as st
 from engine.cluster import messages as m
 from engine.kvcache import block_record
 from engine.kvcache import pool_protocol as P
+
+START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
 
 NS = b"n" * 16
 KEY = b"k" * 32
@@ -183,4 +186,5 @@ def test_write_decoder_record(request):
         dict(COUNTS),
         "each input decoded to a valid message or raised the decoder's own error naming the "
         "problem; huge declarations allocated < 16 MiB; a damaged record never verified",
+        duration_s=time.monotonic() - START,
     )

@@ -22,6 +22,8 @@ from tiny_models import tiny_gguf, tiny_model
 
 from engine.kvcache.ssd_tier import SsdTier
 
+START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
+
 HANG_S = 120  # a load that takes this long is a hang: the process dumps its stacks and exits
 RSS_GROWTH = 2 << 30
 COUNTS: dict[str, dict[str, int]] = {}
@@ -224,4 +226,5 @@ def test_write_file_fuzz_record(request):
         f"no hang (>{HANG_S} s), RSS growth < {RSS_GROWTH >> 30} GiB; damaged SSD records read "
         "as misses and never as wrong bytes",
         extra={"finished": time.time()},
+        duration_s=time.monotonic() - START,
     )

@@ -20,6 +20,8 @@ from kvcache.pool_service_helpers import free_port, small_namespace, start_servi
 from engine.kvcache import block_record
 from engine.kvcache import pool_protocol as P
 
+START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
+
 NS = small_namespace()
 NSID = NS.id
 REPLY_S = 5.0  # no hang: each reply comes within this
@@ -181,4 +183,5 @@ def test_afterwards_idle_bounded_and_serving(service, request):
         dict(COUNTS),
         f"every message answered within {REPLY_S:.0f} s; service alive; leases and "
         f"reservations back to 0; RSS grew {(rss - rss0) >> 20} MiB",
+        duration_s=time.monotonic() - START,
     )

@@ -25,6 +25,8 @@ from test_fuzz_decoders import CLUSTER_HEADERS
 from engine.cluster import messages as m
 from engine.cluster.transfer import StagingArena
 
+START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
+
 REPO = Path(__file__).resolve().parents[2]
 COUNTS = {"random": 0, "crafted": 0, "errors_back": 0}
 LAYERS = 30  # the default model's
@@ -206,4 +208,5 @@ def test_afterwards_a_good_request_is_served_exactly(worker, request):
         dict(COUNTS),
         f"worker alive and heartbeating throughout; {COUNTS['errors_back']} errors sent back; "
         f"then a good request: all {LAYERS} layers and the first token; RSS grew {grew >> 20} MiB",
+        duration_s=time.monotonic() - START,
     )
