@@ -210,3 +210,46 @@ def test_afterwards_a_good_request_is_served_exactly(worker, request):
         f"then a good request: all {LAYERS} layers and the first token; RSS grew {grew >> 20} MiB",
         duration_s=time.monotonic() - START,
     )
+
+
+@pytest.mark.slow
+def test_decode_worker_control_socket():
+    """The same against a decode worker: reservations too large for its staging, deadlines
+    out of range, bad parameters, random frames; then every reservation aborted: staging 0."""
+    r = FakeRouter("decode")
+    try:
+        crafted = [
+            m.DecodeRequest("d1", list(range(100, 10_000)), {}, 10.0),  # longer than the model
+            m.DecodeRequest("d2", list(range(100, 400)), {}, -5.0),
+            m.DecodeRequest("d3", list(range(100, 400)), {}, 1e300),
+            m.DecodeRequest("d4", list(range(100, 140)), {"max_tokens": "x"}, 10.0),
+            m.DecodeRequest("d5", [10**9], {}, 10.0),
+            m.DecodeRequest("d6", [], {}, 10.0),
+        ] + [m.DecodeRequest(f"r{i}", list(range(100, 500)), {}, 600.0) for i in range(40)]
+        for msg in crafted:
+            r.send(m.encode(msg))
+            COUNTS["crafted"] += 1
+        ready = {}
+        deadline = time.monotonic() + 60
+        while len(ready) < len(crafted) and time.monotonic() < deadline:
+            msg = r._take(200)
+            if isinstance(msg, m.DecodeReady):
+                ready[msg.request_id] = msg
+        assert len(ready) == len(crafted), sorted(ready)
+        assert all(ready[f"d{i}"].error for i in (1, 5, 6)), ready
+        assert any(ready[f"r{i}"].error for i in range(40)), "16 MiB of staging never filled"
+
+        @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(frames=message_frames(CLUSTER_HEADERS, "t"))
+        def send_random(frames):
+            r.send(frames)
+            COUNTS["random"] += 1
+
+        send_random()
+        for msg in crafted:
+            r.send(m.encode(m.Abort(msg.request_id)))
+        r.until(lambda x: r.last_beat is not None and r.last_beat.staging_used == 0
+                and r.last_beat.transfers == 0, 90)  # fmt: skip
+        assert r.proc.poll() is None
+    finally:
+        r.close()
