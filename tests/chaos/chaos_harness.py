@@ -348,9 +348,12 @@ class Chaos:
         targets = ["prefill", *[t for t in self.cfg.targets if t != "prefill"]]
         chaos_end = time.monotonic() + self.cfg.duration_s
         n = 0
-        while time.monotonic() < chaos_end:
-            self._sleep(self.rng.uniform(*self.cfg.kill_interval_s), chaos_end)
-            if time.monotonic() >= chaos_end and n > 0:
+        # Every target once at least, however slowly the machine restarts them; then until the
+        # end of the duration.
+        while n < len(targets) or time.monotonic() < chaos_end:
+            pause = self.rng.uniform(*self.cfg.kill_interval_s)
+            self._sleep(pause, chaos_end if n >= len(targets) else time.monotonic() + pause)
+            if n >= len(targets) and time.monotonic() >= chaos_end:
                 break
             target = targets[n % len(targets)] if n < len(targets) else self.rng.choice(targets)
             self.kill_and_restart(target)
