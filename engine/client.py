@@ -33,6 +33,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from engine.security import curve
+
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_S = 120.0
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server answers larger requests with a 413
@@ -205,6 +207,7 @@ class RPCClient:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve.secure_client(self._sock)
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._inbox: dict[int, deque] = {}
@@ -339,6 +342,7 @@ class AsyncRPCClient:
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve.secure_client(self._sock)
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._inbox: dict[int, asyncio.Queue] = {}

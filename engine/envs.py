@@ -36,3 +36,22 @@ def configure_inductor_cache() -> str:
         path = os.path.join(base, "inductor")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return path
+
+
+def curve_keys() -> str | None:
+    """ENGINE_CURVE_KEYS: a directory made by ``engine keys generate``; when set, every ZeroMQ
+    socket of the cluster, the pool service and the RPC server uses CURVE and admits only peers
+    whose public key is in it (``--curve-keys DIR`` sets it for the process and its children)."""
+    return os.environ.get("ENGINE_CURVE_KEYS") or None
+
+
+def curve_insecure() -> bool:
+    """ENGINE_CURVE_INSECURE=1: allow binding ZeroMQ sockets beyond loopback without CURVE keys
+    (any peer that reaches the port is then served)."""
+    return os.environ.get("ENGINE_CURVE_INSECURE", "0") not in ("", "0")
+
+
+def fault_kv() -> str | None:
+    """ENGINE_FAULT_KV (tests only): faults injected into KV layer messages a prefill worker
+    sends, e.g. "drop=0.05,corrupt=0.05,delay=0.05,delay_s=0.3,seed=1" (cluster/faults.py)."""
+    return os.environ.get("ENGINE_FAULT_KV") or None

@@ -28,7 +28,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import Request
 from engine.sampling import Sampler, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.scheduler import QueueFullError, ScheduledRequest, Scheduler, SchedulerOutput
 from engine.stop_conditions import check_stop, safe_text_len
 
 logger = logging.getLogger("engine")
@@ -171,6 +171,12 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._parents:
             raise ValueError(f"request_id {rid!r} is already in use")
+        room = self.scheduler.config.max_waiting - len(self.scheduler.waiting)
+        if params.n > room:  # before building n requests (n = 10**6 took 30 s and GBs)
+            raise QueueFullError(
+                f"n={params.n} choices do not fit the waiting queue ({room} of "
+                f"{self.scheduler.config.max_waiting} places free); retry later"
+            )
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i

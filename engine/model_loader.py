@@ -95,11 +95,19 @@ def load_model(
                 + (f" and {len(ggufs)} .gguf files; name one" if ggufs else " and no .gguf file")
             )
         path = os.path.join(path, ggufs[0])
-    if os.path.isdir(path):
-        checkpoint = load_hf_checkpoint(path)
-    else:
-        checkpoint = load_gguf_checkpoint(path)
-    weights = read_weights(checkpoint, path, dtype, torch.device(device), show_progress)
+    try:
+        if os.path.isdir(path):
+            checkpoint = load_hf_checkpoint(path)
+        else:
+            checkpoint = load_gguf_checkpoint(path)
+        weights = read_weights(checkpoint, path, dtype, torch.device(device), show_progress)
+    except Exception as exc:  # a damaged file: parsers and tokenizers raise many types
+        if isinstance(exc, ValueError | OSError) and path in str(exc):
+            raise  # clear already: it names the file
+        raise ValueError(
+            f"{path}: cannot load the model (a damaged or truncated file?): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     return LoadedModel(checkpoint.config, weights, checkpoint.tokenizer, path)
 
 

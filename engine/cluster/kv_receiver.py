@@ -39,6 +39,7 @@ import zmq
 from engine.cluster import messages as m
 from engine.cluster.transfer import KVLayout, StagingArena, checksum, scatter_tokens
 from engine.kvcache.connector import KVConnector, LoadDone
+from engine.security import curve
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class KVReceiver(KVConnector):
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES + m.MAX_HEADER_BYTES)
+        curve.secure_server(self._sock, bind)
         self._sock.bind(bind)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()

@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from engine.cluster import faults
 from engine.cluster import messages as m
 from engine.cluster.transfer import KVLayout, PeerArenas, checksum, gather_tokens
 from engine.kvcache.connector import KVConnector, LoadDone, StepBlocks
+from engine.security import curve
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class KVSender(KVConnector):
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._pool_bytes = 0
         self.counters = {"layers_sent": 0, "bytes_sent": 0, "failed_transfers": 0}
+        self.faults = faults.from_env()  # chaos tests only (ENGINE_FAULT_KV)
         self._thread = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -163,6 +166,9 @@ class KVSender(KVConnector):
                 arena = self._peers.get(t.shm_path)
             except (OSError, ValueError) as exc:
                 self._fail(t, f"cannot map the decode worker's staging area: {exc}")
+                return
+            if not 0 <= t.offset <= arena.numel() - t.layout.nbytes:  # a message says where
+                self._fail(t, f"staging area [{t.offset}, +{t.layout.nbytes}) is outside the arena")
                 return
             views = []
             for kv in (0, 1):
@@ -267,6 +273,8 @@ class KVSender(KVConnector):
                     _, t, layer, start, end, bufs, crc = item
                     parts = [b.reshape(-1).view(torch.uint8).numpy() for b in bufs]
                     header = m.KVLayer(t.request_id, layer, start, end, crc, t.transport == "tcp")
+                    if self.faults is not None and (header := self.faults.layer(header)) is None:
+                        continue
                     if t.transport == "mooncake" and not self._write_remote(t, header, bufs[0]):
                         self._fail(t, f"Mooncake write to {t.peer_address} failed")
                         continue
@@ -282,7 +290,13 @@ class KVSender(KVConnector):
                     sock = ctx.socket(zmq.PUSH)
                     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
                     sock.setsockopt(zmq.LINGER, 0)
-                    sock.connect(t.kv_address)
+                    curve.secure_client(sock)
+                    try:
+                        sock.connect(t.kv_address)
+                    except zmq.ZMQError as exc:  # a bad address fails its transfer only
+                        sock.close(linger=0)
+                        self._fail(t, f"cannot connect to {t.kv_address!r}: {exc}")
+                        continue
                     socks[t.kv_address] = sock
                 tracker = self._send(sock, frames)
                 if tracker is None:

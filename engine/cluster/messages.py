@@ -253,9 +253,10 @@ def decode(frames: list, check_frames: bool = True) -> Message:
         raise MessageError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(header, dict):
         raise MessageError(f"header must be a map, got {type(header).__name__}")
-    cls = MESSAGES.get(header.get("t"))  # type: ignore[arg-type]
+    kind = header.get("t")
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None  # a list is unhashable
     if cls is None:
-        raise MessageError(f"unknown message type {header.get('t')!r}")
+        raise MessageError(f"unknown message type {str(kind)[:60]!r}")
     hints = _hints(cls)
     kwargs = {}
     for name, hint in hints.items():

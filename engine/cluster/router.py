@@ -39,6 +39,7 @@ from engine.metrics import EngineMetrics, MetricsSnapshot
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
+from engine.security import curve
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ class Router:
         self.model_config = meta.config
         self.model_path = meta.path
         self.max_model_len = cfg.max_model_len or meta.config.max_position_embeddings
+        self._model_max_len = self.max_model_len
         if placement is None:
             from engine.cluster.conductor_placement import make_placement
 
@@ -170,6 +172,7 @@ class Router:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
         self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_HEADER_BYTES + 1024)
+        curve.secure_server(self._sock, cfg.address)
         self._sock.bind(cfg.address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # Block events from every worker: which prefix blocks each holds (a hint for placement).
@@ -178,6 +181,7 @@ class Router:
         self._events.setsockopt(zmq.LINGER, 0)
         self._events.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         self._events.setsockopt(zmq.SUBSCRIBE, b"")
+        curve.secure_client(self._events)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -397,7 +401,10 @@ class Router:
                             frames = self._sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_frames(frames)
+                        try:
+                            self._on_frames(frames)
+                        except Exception:  # one bad message costs that message, not the router
+                            log.exception("a message from %r failed", frames[0][:64])
                 if self._events in events:
                     self._take_block_events()
                 while self._commands:
@@ -591,6 +598,10 @@ class Router:
             self._fail(req, exc)
 
     def _on_register(self, identity: bytes, msg: m.Register, now: float) -> None:
+        if msg.role not in ("prefill", "decode") or msg.max_model_len < 1:
+            log.warning("refused to register %r: role %r, max_model_len %d", msg.worker_id[:64],
+                        msg.role[:16], msg.max_model_len)  # fmt: skip
+            return
         old = self.workers.get(msg.worker_id)
         if old is not None and old.pid == msg.pid and old.state in ("up", "draining"):
             old.identity, old.last_seen = identity, now  # a repeated registration
@@ -615,12 +626,11 @@ class Router:
         self.block_index[msg.worker_id] = set()
         self._tell("worker_joined", msg.worker_id, msg.role, now)
         if msg.events_address:
-            self._events.connect(msg.events_address)
-        if self.cfg.max_model_len is None:
-            self.max_model_len = min(
-                self.max_model_len,
-                *(w.max_model_len for w in self.workers.values() if w.state == "up"),
-            )
+            try:
+                self._events.connect(msg.events_address)
+            except zmq.ZMQError as exc:  # its block events are a hint: serve without them
+                log.warning("worker %s: bad events address: %s", msg.worker_id, exc)
+        self._refresh_max_model_len()
         log.info("worker %s (%s, pid %d) joined", msg.worker_id, msg.role, msg.pid)
 
     def _start_prefill(self, req: _Request, decode: _Worker, ready: m.DecodeReady) -> None:
@@ -757,8 +767,15 @@ class Router:
             n += 1
         return n
 
+    def _refresh_max_model_len(self) -> None:
+        """The smallest of the live workers': one that left no longer limits the cluster."""
+        if self.cfg.max_model_len is None:
+            lens = [w.max_model_len for w in self.workers.values() if w.state == "up"]
+            self.max_model_len = min([*lens, self._model_max_len])
+
     def _on_death(self, w: _Worker, state: str) -> None:
         w.state = state
+        self._refresh_max_model_len()
         self._tell("worker_left", w.worker_id, time.monotonic())
         self.block_index.pop(w.worker_id, None)
         if w.events_address:

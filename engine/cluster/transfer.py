@@ -26,6 +26,8 @@ from typing import NamedTuple
 import torch
 import xxhash
 
+from engine.security.shm_names import check_shm_path
+
 ARENA_PREFIX = "engine-kvstage-"  # the pool's arenas are engine-kv-<hex>
 ALIGN = 64
 
@@ -136,10 +138,7 @@ class PeerArenas:
 
     def get(self, path: str) -> torch.Tensor:
         if path not in self._maps:
-            if not os.path.basename(path).startswith(ARENA_PREFIX) or not path.startswith(
-                "/dev/shm/"
-            ):
-                raise ValueError(f"not a staging arena: {path!r}")
+            check_shm_path(path, ARENA_PREFIX)  # a router message names it: ours, in /dev/shm
             fd = os.open(path, os.O_RDWR)
             try:
                 mm = mmap.mmap(fd, os.fstat(fd).st_size)

@@ -30,6 +30,7 @@ import zmq
 
 from engine.cluster import messages as m
 from engine.config import EngineConfig
+from engine.security import curve
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class Worker:
         self._pub = self.ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 10_000)
+        curve.secure_server(self._pub, f"tcp://{cfg.kv_host}:0")
         self._pub.bind(f"tcp://{cfg.kv_host}:0")
         self.events_address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.namespace = _namespace_hex(self.engine)
@@ -179,6 +181,7 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)
         sock.setsockopt_string(zmq.IDENTITY, f"{self.worker_id}/hb")
+        curve.secure_client(sock)
         sock.connect(self.cfg.router)
         try:
             while not self._stop.wait(self.cfg.heartbeat_s):
@@ -211,6 +214,7 @@ class Worker:
         ctl.setsockopt(zmq.SNDHWM, 100_000)
         ctl.setsockopt(zmq.MAXMSGSIZE, m.MAX_HEADER_BYTES + 1024)
         ctl.setsockopt_string(zmq.IDENTITY, self.worker_id)
+        curve.secure_client(ctl)
         ctl.connect(self.cfg.router)
         ctl.send_multipart(m.encode(self._register()))
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)

@@ -127,6 +127,9 @@ def cmd_admin(args: argparse.Namespace) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        from engine.security import curve
+
+        curve.secure_client(sock)
         sock.connect(args.address)
         sock.send_multipart(P.encode(msg))
         deadline = time.monotonic() + args.timeout

@@ -31,6 +31,8 @@ import zmq
 
 from engine.kvcache import pool_protocol as P
 from engine.kvcache.namespace import KVNamespace
+from engine.security import curve
+from engine.security.shm_names import POOL_PREFIX, check_shm_name
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +221,7 @@ class PoolConnection:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES + 4096)
+        curve.secure_client(sock)
         sock.connect(self.address)
         with self._lock:
             self._sockets.append(sock)
@@ -257,6 +260,9 @@ def _map_arena(hello: P.HelloOk) -> mmap.mmap | None:
     if not hello.shm_name or not hello.nonce_shm or hello.arena_bytes <= 0:
         return None
     try:
+        # Names from a socket: ours (prefix, no path separators) or no mapping at all.
+        check_shm_name(hello.nonce_shm, POOL_PREFIX)
+        check_shm_name(hello.shm_name, POOL_PREFIX)
         with open(os.path.join(_SHM_DIR, hello.nonce_shm), "rb") as f:
             if f.read(len(hello.nonce)) != hello.nonce:
                 return None  # a segment of that name, but another host's (or a stale) service

@@ -263,9 +263,10 @@ def decode(frames: Sequence) -> Message:
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    cls = MESSAGES.get(header.get("op"))
+    op = header.get("op")
+    cls = MESSAGES.get(op) if isinstance(op, str) else None  # a list is unhashable
     if cls is None:
-        raise ProtocolError(f"op must be one of {', '.join(MESSAGES)}, got {header.get('op')!r}")
+        raise ProtocolError(f"op must be one of {', '.join(MESSAGES)}, got {_short(op)}")
     msg_id = header.get("id", 0)
     if not _is_int(msg_id) or not 0 <= msg_id < 2**63:
         raise ProtocolError(f"id must be an integer in [0, 2**63), got {msg_id!r}")

@@ -33,6 +33,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -40,7 +41,9 @@ import msgpack
 import zmq
 
 from engine.kvcache import pool_protocol as P
+from engine.kvcache.dram_tier import SHM_PREFIX, remove_orphan_arenas
 from engine.kvcache.pool_namespaces import NamespaceStore, NamespaceTable
+from engine.security import curve
 
 logger = logging.getLogger("engine.kvcache.pool_service")
 
@@ -93,6 +96,7 @@ class PoolService:
         self._router.setsockopt(zmq.RCVHWM, SEND_HWM)
         # A frame over the limit closes that peer's connection before it is buffered.
         self._router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes + 4096)
+        curve.secure_server(self._router, f"tcp://{config.host}:{config.port}")
         self._router.bind(f"tcp://{config.host}:{config.port}")
         endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(endpoint.rsplit(":", 1)[1])
@@ -103,6 +107,7 @@ class PoolService:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
+            curve.secure_server(self._pub, f"tcp://{config.host}:{config.events_port}")
             self._pub.bind(f"tcp://{config.host}:{config.events_port}")
             ep = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self.events_port = int(ep.rsplit(":", 1)[1])
@@ -113,7 +118,12 @@ class PoolService:
         # A segment holding a random nonce: a client that maps it and reads the nonce is on this
         # host, so it can map the arenas too.
         self.nonce = os.urandom(16)
-        self._nonce_shm = shared_memory.SharedMemory(create=True, size=len(self.nonce))
+        remove_orphan_arenas()  # a predecessor's, SIGKILLed: its nonce and arenas
+        self._nonce_shm = shared_memory.SharedMemory(  # named as the arenas: <prefix><pid>-
+            name=f"{SHM_PREFIX}{os.getpid()}-nonce{uuid.uuid4().hex[:12]}",
+            create=True,
+            size=len(self.nonce),
+        )
         self._nonce_shm.buf[: len(self.nonce)] = self.nonce
         self.table = NamespaceTable(config, self._publish)
         self._threads = [
@@ -161,6 +171,7 @@ class PoolService:
         for sock in (self._router, self._pull, self._pub):
             if sock is not None:
                 sock.close(linger=0)
+        curve.stop_authenticator(self._ctx)
         self._ctx.term()
         try:
             self._nonce_shm.close()

@@ -164,8 +164,15 @@ def main(argv: list[str] | None = None) -> int:
 
     add_pool_commands(sub)
 
+    from engine.security.keys_cli import add_curve_option, add_keys_commands, apply_curve_option
+
+    for command in list(sub.choices.values()):
+        add_curve_option(command)
+    add_keys_commands(sub)
+
     args = parser.parse_args(argv)
     try:
+        apply_curve_option(args)
         return args.func(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

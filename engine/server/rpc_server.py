@@ -27,6 +27,7 @@ import zmq.asyncio
 from engine.client import DEFAULT_ADDRESS, OPS, pack
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.security import curve
 from engine.server.errors import APIError, to_api_error
 from engine.server.offload import Offloader, check_prompt_chars
 from engine.server.openai_protocol import MAX_N
@@ -185,6 +186,7 @@ class RPCServer:
         sock.setsockopt(zmq.RCVHWM, RECV_HWM)
         sock.setsockopt(zmq.SNDBUF, self.send_buffer_bytes)
         sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE_BYTES)
+        curve.secure_server(sock, self.address)
         sock.bind(self.address)
         self._sock = sock
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -200,6 +202,7 @@ class RPCServer:
             await asyncio.gather(receiver, return_exceptions=True)
             self._offload.close()
             sock.close(linger=1000)
+            curve.stop_authenticator(ctx)
             ctx.term()
 
     async def _drain(self) -> None:
@@ -411,6 +414,7 @@ def check_address(address: str) -> None:
     finally:
         sock.close(linger=0)
         ctx.term()
+    curve.require_auth(address)  # beyond loopback without keys: said before the model loads
 
 
 def serve_rpc(llm, address: str = DEFAULT_ADDRESS, drain_timeout: float = 30.0, **kwargs) -> int:

@@ -1,0 +1,47 @@
+"""``engine router`` exactly as the command line runs it, plus a status file for the chaos
+driver: every 0.3 s the router's view of its workers (state, queues, KV blocks and staging held,
+transfers in flight, from their heartbeats) and its own requests in flight, written atomically
+to the path in CHAOS_STATUS_FILE. Run: ``python tests/chaos/router_proc.py router ARGS...``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+from engine.cluster import router as router_module
+from engine.server import cli
+
+
+def _dump(router, path: str) -> None:
+    while True:
+        status = {
+            "pid": os.getpid(),
+            "time": time.time(),
+            "workers": router.workers_status(),
+            "in_flight": len(router._requests),
+            "alive": router._thread.is_alive(),
+        }
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(status, f)
+        os.replace(tmp, path)
+        time.sleep(0.3)
+
+
+def main() -> int:
+    path = os.environ["CHAOS_STATUS_FILE"]
+    original = router_module.Router.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        threading.Thread(target=_dump, args=(self, path), daemon=True).start()
+
+    router_module.Router.__init__ = init
+    return cli.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
