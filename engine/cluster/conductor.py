@@ -64,6 +64,12 @@ class ConductorConfig:
     # theirs (then their mean): the decode choice and the capacity check count prompt + this.
     prior_output_tokens: int = 256
     seed: int = 0  # of the random policy
+    # Roles whose blocks kvcentric may copy to a prefill instance: only those the cluster can
+    # really copy from (a planned copy that never happens makes every estimate after it wrong).
+    copy_sources: tuple[str, ...] = ("prefill", "pool")
+    # Refit the TBT model every this many decode reports (the simulator reports every step; a
+    # cluster's decode workers report a mean per heartbeat, so far fewer arrive).
+    tbt_refit_every: int = 256
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -81,6 +87,11 @@ class ConductorConfig:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         if self.decode_time_s < 0:
             raise ValueError(f"decode_time_s must be >= 0, got {self.decode_time_s}")
+        bad = [r for r in self.copy_sources if r not in ("prefill", "pool")]
+        if bad:
+            raise ValueError(f"copy_sources must be roles among prefill and pool, got {bad}")
+        if self.tbt_refit_every < 1:
+            raise ValueError(f"tbt_refit_every must be >= 1, got {self.tbt_refit_every}")
 
 
 class _Prefill:
@@ -135,7 +146,7 @@ class Conductor:
         self.prior = prior
         self.index = PrefixIndex()
         self.prefill_model = PrefillTimeModel(prior)
-        self.tbt_model = TbtModel(prior)
+        self.tbt_model = TbtModel(prior, refit_every=self.config.tbt_refit_every)
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, DecodeState] = {}
         self._pools: list[str] = []
@@ -282,7 +293,9 @@ class Conductor:
             return self.estimate(pick, keys, prompt_len, now)
         best: tuple[int, str | None] = (0, None)
         if policy == "kvcentric":
-            for holder in ids + self._pools:
+            src = self.config.copy_sources
+            holders = (ids if "prefill" in src else []) + (self._pools if "pool" in src else [])
+            for holder in holders:
                 n = self.index.match(holder, keys)
                 if n > best[0]:
                     best = (n, holder)
@@ -308,7 +321,11 @@ class Conductor:
         return decode, tbt_committed(self._decodes[decode], predict, tokens)
 
     def _holder_of(self, keys: list, blocks: int, exclude: str) -> str:
-        for holder in list(self._prefills) + self._pools:
+        src = self.config.copy_sources
+        holders = (list(self._prefills) if "prefill" in src else []) + (
+            self._pools if "pool" in src else []
+        )
+        for holder in holders:
             if holder != exclude and self.index.match(holder, keys) >= blocks:
                 return holder
         raise AssertionError("a copy was planned from a holder that does not exist")
@@ -367,7 +384,7 @@ class Conductor:
             self._decodes[where[1]].start(request_id, now)
 
     def on_decode_progress(
-        self, instance_id: str, now: float, batch: int, tokens: int, step_s: float
+        self, instance_id: str, now: float, batch: float, tokens: float, step_s: float
     ) -> None:
         if batch > 0 and step_s > 0 and math.isfinite(step_s):
             self.tbt_model.observe(batch, tokens, step_s)

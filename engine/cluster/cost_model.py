@@ -47,6 +47,10 @@ class CostModel:
     # Share of a prefill's KV still in flight to the decode instance when the prefill ends
     # (layer-wise streaming sends layer i while layer i+1 computes: about one layer's worth).
     stream_tail_fraction: float
+    # Per running request per decode step, beyond its KV read (attention, sampling and
+    # bookkeeping: on a CPU these grow with the batch; on the paper's GPUs they are in the
+    # overhead).
+    decode_per_request_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "block_tokens", "kv_bytes_per_token", "max_batch"):
@@ -58,6 +62,8 @@ class CostModel:
         for f in ("mfu", "hbm_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"{f} must be in (0, 1], got {getattr(self, f)}")
+        if self.decode_per_request_s < 0:
+            raise ValueError(f"decode_per_request_s must be >= 0, got {self.decode_per_request_s}")
         if not 0 <= self.stream_tail_fraction <= 1:
             raise ValueError(
                 f"stream_tail_fraction must be in [0, 1], got {self.stream_tail_fraction}"
@@ -77,9 +83,13 @@ class CostModel:
             return 0.0
         read = self.weight_bytes + context_tokens * self.kv_bytes_per_token
         flops = self.layers * self.lin_b * self.hidden**2 * batch  # the linear layers, per token
-        return self.decode_overhead_s + max(
-            read / (self.hbm_bytes_per_s * self.hbm_efficiency),
-            flops / (self.flops_per_s * self.mfu),
+        return (
+            self.decode_overhead_s
+            + self.decode_per_request_s * batch
+            + max(
+                read / (self.hbm_bytes_per_s * self.hbm_efficiency),
+                flops / (self.flops_per_s * self.mfu),
+            )
         )
 
     def copy_s(self, tokens: int) -> float:

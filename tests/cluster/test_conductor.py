@@ -291,3 +291,39 @@ def test_decode_choice_ranks_instances_that_are_all_full_by_how_full():
     assert len(c.decode_state("D1").incoming) == 3 and len(c.decode_state("D2").incoming) == 2
     d = c.decide("new", keys("new", 2), 2 * BT, 0.0)
     assert d.decode == "D2" and math.isinf(d.est_tbt_s)  # the less full; it would not fit now
+
+
+def test_copies_are_planned_only_from_the_sources_the_cluster_can_copy_from():
+    prompt = keys("p", 20)
+
+    def decide(**kw):
+        c = make("kvcentric", busy={"A": 20.0}, **kw)
+        c.on_event("A", stored(prompt))  # A holds the prefix, but its queue rules it out
+        return c.decide("r", prompt, 20 * BT + 7, 0.0)
+
+    d = decide()
+    assert (d.prefill, d.prefix_blocks, d.copies[0].src) == ("B", 20, "A")
+    # A cluster that copies only from pools: B is estimated to recompute, no copy is planned.
+    d = decide(copy_sources=("pool",))
+    assert (d.prefill, d.prefix_blocks, d.copies) == ("B", 0, ())
+    with pytest.raises(ValueError, match="copy_sources"):
+        ConductorConfig(copy_sources=("decode",))
+
+
+def test_tbt_model_leaves_its_prior_on_fed_decode_steps():
+    c = make("load", rejection="early", tbt_slo_s=0.1, tbt_refit_every=16)
+    assert c.tbt_model.predict(1, 400) < 0.05  # the paper's A800 node: far under the SLO
+    assert c.decide("before", keys("x", 1), 100, 0.0).accepted
+    c.on_request_finished("before", 0.0)
+
+    def step_s(batch, tokens):  # this decode instance: 100 ms a step even alone
+        return 0.05 + 0.05 * batch + 0.01 * tokens / 1000
+
+    for i in range(16):  # reports of mean steps, as decode workers' heartbeats carry them
+        batch, tokens = 1 + i % 8, 500.0 * (1 + i % 5)
+        c.on_decode_progress("D", float(i), batch, tokens, step_s(batch, tokens))
+    assert c.tbt_model.fitted
+    assert c.tbt_model.predict(4, 2000) == pytest.approx(step_s(4, 2000), rel=1e-6)
+    # ...so early rejection now refuses what it accepted before.
+    d = c.decide("after", keys("x", 1), 100, 20.0)
+    assert not d.accepted and d.reason == REJECT_TBT
