@@ -221,6 +221,30 @@ def sample_conversations(reqs: list[TraceRequest], every: int) -> list[TraceRequ
     return [r for r in reqs if len(r.hash_ids) > 1 and r.hash_ids[1] % every == 0]
 
 
+def _record_decisions(placement) -> list:
+    """Every Decision the placement makes (the Conductor's, for the verbose per-run line)."""
+    decisions: list = []
+    place = placement.place
+
+    def recording(*args):
+        out = place(*args)
+        decisions.append(placement.last_decision)
+        return out
+
+    placement.place = recording
+    return decisions
+
+
+def _decision_counts(decisions: list) -> str:
+    by: dict[str, int] = {}
+    for d in decisions:
+        key = d.prefill if d.accepted else f"rejected {d.reason}"
+        by[key] = by.get(key, 0) + 1
+    est = [d.est_ttft_s for d in decisions if d.accepted]
+    mean = statistics.fmean(est) if est else math.nan
+    return f"{dict(sorted(by.items()))}, estimated TTFT mean {mean:.2f} s"
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-file", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL")
     p.add_argument("--window", type=int, default=6000, help="first N requests of the trace")
@@ -238,6 +262,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain", type=float, default=90.0, help="s after the last arrival")
     p.add_argument("--kv-gb", type=float, default=1.0, help="KV cache of each worker (GB)")
     p.add_argument("--chunk", type=int, default=512, help="max batched tokens of a worker")
+    p.add_argument("--verbose", action="store_true", help="the Conductor's decisions per run")
 
 
 def run(args: argparse.Namespace) -> dict[str, Summary]:
@@ -271,6 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Summary]:
                     trace, args.block_tokens, args.max_prompt, args.out_scale, args.max_out, salt
                 )
                 placement = make_placement(replace(cfg, policy=policy))
+                decisions = _record_decisions(placement)
                 router.set_placement(placement)
                 t0 = time.monotonic()
                 res = asyncio.run(replay(router, reqs, f"r{rep}{policy}", span + args.drain))
@@ -284,6 +310,8 @@ def run(args: argparse.Namespace) -> dict[str, Summary]:
                     f"(load {os.getloadavg()[0]:.1f})",
                     flush=True,
                 )
+                if args.verbose:
+                    print("   ", _decision_counts(decisions), flush=True)
     rows = {p: median_summary(runs[p]) for p in policies}
     prompts = scale_trace(trace, args.block_tokens, args.max_prompt, args.out_scale,
                           args.max_out, 0)  # fmt: skip

@@ -70,6 +70,11 @@ class ConductorConfig:
     # Refit the TBT model every this many decode reports (the simulator reports every step; a
     # cluster's decode workers report a mean per heartbeat, so far fewer arrive).
     tbt_refit_every: int = 256
+    # A copy from a prefill instance starts when the source's current work lets it (a worker
+    # serves it between its forward passes): it is estimated to wait for the source's queue, up
+    # to this many seconds (the router's copy timeout, after which the prefill runs without
+    # it). 0: copies start at once (the simulator's instances copy without delay).
+    copy_wait_cap_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -90,6 +95,8 @@ class ConductorConfig:
         bad = [r for r in self.copy_sources if r not in ("prefill", "pool")]
         if bad:
             raise ValueError(f"copy_sources must be roles among prefill and pool, got {bad}")
+        if self.copy_wait_cap_s < 0:
+            raise ValueError(f"copy_wait_cap_s must be >= 0, got {self.copy_wait_cap_s}")
         if self.tbt_refit_every < 1:
             raise ValueError(f"tbt_refit_every must be >= 1, got {self.tbt_refit_every}")
 
@@ -223,11 +230,14 @@ class Conductor:
         if local and best_len / local <= self.config.balancing_threshold:
             return own
         cached_b = min(best_len * bt, cap)
+        wait = 0.0
+        if holder in self._prefills and self.config.copy_wait_cap_s > 0:
+            wait = min(self._prefills[holder].queue_s(now), self.config.copy_wait_cap_s)
         copied = Estimate(
             instance_id,
             best_len,
             local,
-            self.prior.copy_s(cached_b - cached),
+            wait + self.prior.copy_s(cached_b - cached),
             queue_s,
             self.prefill_model.predict(prompt_len - cached_b, cached_b),
         )

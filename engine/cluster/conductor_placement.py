@@ -75,6 +75,7 @@ def make_placement(cfg) -> ConductorPlacement:
             tbt_slo_s=cfg.tbt_slo_s,
             block_tokens=cfg.block_size,
             tbt_refit_every=16,  # one report per decode worker per heartbeat
+            copy_wait_cap_s=cfg.copy_timeout_s,  # the router waits no longer for a copy
         ),
         prior=get_cost_model(ROUTER_COST_MODEL),
     )

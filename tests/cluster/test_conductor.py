@@ -327,3 +327,21 @@ def test_tbt_model_leaves_its_prior_on_fed_decode_steps():
     # ...so early rejection now refuses what it accepted before.
     d = c.decide("after", keys("x", 1), 100, 20.0)
     assert not d.accepted and d.reason == REJECT_TBT
+
+
+def test_a_copy_from_a_busy_prefill_instance_counts_its_wait():
+    """A worker serves a copy between its forward passes: with copy_wait_cap_s the copy is
+    estimated to wait for the source's queue (up to the cap), so a busy holder's prefix is
+    recomputed rather than waited for, unless the wait is capped below the recompute."""
+    prompt = keys("p", 4)
+
+    def decide(cap):
+        c = make("kvcentric", busy={"A": 20.0}, copy_wait_cap_s=cap)
+        c.on_event("A", stored(prompt))
+        return c.decide("r", prompt, 4 * BT + 7, 0.0)
+
+    assert decide(0.0).copies  # the simulator's instances copy at once
+    recompute = PAPER.prefill_s(4 * BT + 7) - PAPER.prefill_s(7, 4 * BT)
+    d = decide(2 * recompute)  # the wait (capped) costs more than recomputing 4 blocks
+    assert (d.prefill, d.copies, d.prefix_blocks) == ("B", (), 0)
+    assert decide(recompute / 4).copies  # a short cap: the copy still pays
