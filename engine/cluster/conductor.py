@@ -244,10 +244,20 @@ class Conductor:
         return copied if copied.ttft_s < own.ttft_s else own
 
     def decide(
-        self, request_id: str, block_hashes: Sequence[Hashable], prompt_len: int, now: float
+        self,
+        request_id: str,
+        block_hashes: Sequence[Hashable],
+        prompt_len: int,
+        now: float,
+        output_tokens: int | None = None,
     ) -> pl.Decision:
+        """``output_tokens``: the request's output length when known (an oracle the simulator
+        can give, to bound what a better decode-time prediction would gain): its KV and its
+        decode time (that many steps at the estimated TBT) then replace the averages."""
         if prompt_len < 1:
             raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+        if output_tokens is not None and output_tokens < 0:
+            raise ValueError(f"output_tokens must be >= 0, got {output_tokens}")
         if request_id in self._where:
             raise ValueError(f"request_id {request_id!r} is already placed")
         keys = list(block_hashes)
@@ -256,7 +266,8 @@ class Conductor:
         if not self._decodes:
             return _reject(request_id, pl.REJECT_NO_DECODE)
         est = self._choose_prefill(keys, prompt_len, now)
-        tokens = prompt_len + self.expected_output_tokens()  # KV it will hold on its decode
+        out = self.expected_output_tokens() if output_tokens is None else output_tokens
+        tokens = prompt_len + out  # KV it will hold on its decode
         decode, est_tbt = self._choose_decode(tokens, now + est.ttft_s)
         reason = self._rejection(est.ttft_s, decode, tokens, now)
         if reason:
@@ -276,7 +287,10 @@ class Conductor:
         self._prefills[est.instance_id].push(request_id, est.transfer_s + est.prefill_s, now)
         cached = min(est.prefix_blocks * self.config.block_tokens, prompt_len - 1)
         self._prefill_est[request_id] = (prompt_len - cached, cached)
-        self._decodes[decode].add_incoming(request_id, tokens, now + est.ttft_s)
+        duration = None
+        if output_tokens is not None and math.isfinite(est_tbt):
+            duration = output_tokens * est_tbt
+        self._decodes[decode].add_incoming(request_id, tokens, now + est.ttft_s, duration)
         self._where[request_id] = (est.instance_id, decode)
         return pl.Decision(
             request_id,

@@ -345,3 +345,29 @@ def test_a_copy_from_a_busy_prefill_instance_counts_its_wait():
     d = decide(2 * recompute)  # the wait (capped) costs more than recomputing 4 blocks
     assert (d.prefill, d.copies, d.prefix_blocks) == ("B", (), 0)
     assert decide(recompute / 4).copies  # a short cap: the copy still pays
+
+
+def test_known_output_lengths_replace_the_uniform_decode_time_in_the_prediction():
+    """With output lengths given (the simulator's oracle), a running request is predicted to
+    stay for its own decode time (its length times the estimated TBT), not the uniform one."""
+    ptoks, plen = 20 * BT, 16 * BT
+
+    def decide(now, out):
+        c = make("load", rejection="predicted", prefills=("A",), decode_time_s=10.0)
+        for i in range(40):
+            ks = keys(f"run{i}-", 2)
+            assert c.decide(f"run{i}", ks, ptoks, 0.0, output_tokens=out).accepted
+            c.on_prefill_done(f"run{i}", 0.0)
+        extra = plen + c.expected_output_tokens()
+        held = c.decode_state("D").running_tokens
+        alone, busy = c.tbt_model.predict(1, extra), c.tbt_model.predict(41, held + extra)
+        c = _with(c, tbt_slo_s=(alone + busy) / 2)
+        return c.decide("new", keys("new", 16), plen, now).accepted
+
+    # Uniform 10 s decodes: gone for a prefill ending after t=10, present for one before.
+    assert decide(9.5, None) and not decide(1.0, None)
+    # Long known outputs (minutes of decode) outlive the uniform 10 s; one token does not.
+    assert not decide(9.5, 5000)
+    assert decide(1.0, 1)
+    with pytest.raises(ValueError, match="output_tokens"):
+        make().decide("r", keys("x", 1), 10, 0.0, output_tokens=-1)
