@@ -18,6 +18,7 @@ measured in the same run.
 
     .venv/bin/python profiling/bench_cluster.py                      # everything
     .venv/bin/python profiling/bench_cluster.py --parts transfer,overlap
+    .venv/bin/python profiling/bench_cluster.py --trace   # the trace by policy (bench_trace.py)
 """
 
 from __future__ import annotations
@@ -26,16 +27,22 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
-import zmq
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.cluster import messages as m
-from engine.cluster.kv_receiver import KVReceiver
-from engine.cluster.kv_sender import KVSender, SendTarget
-from engine.cluster.transfer import KVLayout, StagingArena
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+from engine.cluster import messages as m  # noqa: E402
+from engine.cluster.kv_receiver import KVReceiver  # noqa: E402
+from engine.cluster.kv_sender import KVSender, SendTarget  # noqa: E402
+from engine.cluster.transfer import KVLayout, StagingArena  # noqa: E402
+from profiling import bench_trace  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 30, 3, 64, 16  # SmolLM2-135M's KV shape
 
@@ -471,7 +478,12 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=4)
     ap.add_argument("--long-prompts", type=int, default=3)
     ap.add_argument("--long-len", type=int, default=2048)
+    ap.add_argument("--trace", action="store_true", help="only the trace replay by policy")
+    bench_trace.add_args(ap)
     args = ap.parse_args()
+    if args.trace:
+        bench_trace.run(args)
+        return
     parts = set(args.parts.split(","))
     if "transfer" in parts:
         bench_transfer(args.transfer_tokens, args.rounds)

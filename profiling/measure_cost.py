@@ -1,71 +1,135 @@
-"""Measure SmolLM2's prefill and decode-step times on this machine and fit the ``smollm2-cpu``
-cost model's free constants (engine/cluster/cost_model.py) to them.
+"""Measure SmolLM2's prefill and decode-step times as a cluster worker runs them (one torch
+thread, the worker's dtype) and fit the ``smollm2-cpu`` cost model's free constants
+(engine/cluster/cost_model.py) to them. A few minutes on this machine.
 
-    python profiling/measure_cost.py
+    python profiling/measure_cost.py                 # --threads 1 --dtype auto
+    python profiling/measure_cost.py --threads 2 --dtype float32
 
-Prefill: one prompt of n random tokens, prefix caching off, one output token. Decode step: the
-same batch run to 1 and to 33 output tokens (ignoring EOS); the difference over 32 steps. Prints
-the measurements beside the model's times, and the effective FLOP/s and bandwidth that fit.
-
-Status: its one run so far (load average 9 on the 2 cores, other agents' jobs) measured times
-10-40x the README's quiet-machine figures and stopped at a 15-minute limit, so the smollm2-cpu
-constants still come from the README's figures; rerun it on a quiet machine before refitting.
+Prefill: one prompt of n random tokens with nothing cached, and n new tokens after p cached
+ones (the prefix run first, prefix caching on); one output token; the median of ``--reps``.
+The fit: t = overhead + FLOPs(n, p) / rate, least squares (FLOPs as the cost model counts them).
+Decode step: a batch of b prompts run to 1 and to 17 output tokens (EOS ignored), the
+difference over 16 steps. The fit: t = c0 + c1 b, c0 the weights' read (bandwidth) and the fixed
+step overhead, c1 the cost model's per-request time. Prints the measurements beside
+the fitted model's times and the constants to put in SMOLLM2_CPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.cluster.cost_model import SMOLLM2_CPU as M  # noqa: E402
+from engine.cluster.cost_model import SMOLLM2_CPU  # noqa: E402
+
+PREFILL = ((64, 0), (256, 0), (512, 0), (1024, 0), (256, 512), (64, 960))  # (new, cached)
+DECODE = (1, 4, 16)  # batch sizes, 64-token prompts
 
 
-def timed(llm: LLM, prompts: list[list[int]], max_tokens: int, reps: int = 2) -> float:
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        llm.generate(prompts, sp)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def main() -> int:
-    torch.set_num_threads(2)
-    llm = LLM(enable_prefix_caching=False, max_num_batched_tokens=4096, dtype="float32")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    llm = LLM(dtype=args.dtype, max_num_batched_tokens=2048, num_blocks=512)
+    dtype = llm.engine.cache.kv.dtype
+    esize = torch.empty((), dtype=dtype).element_size()
+    base = replace(
+        SMOLLM2_CPU,
+        kv_bytes_per_token=2 * 30 * 3 * 64 * esize,
+        weight_bytes=134.5e6 * esize,
+    )
     rng = random.Random(0)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(n)]
 
-    timed(llm, [prompt(64)], 2, reps=1)  # warm up
-    print("| prefill new tokens | measured (s) | model (s) |")
+    def timed(prompts: list[list[int]], max_tokens: int) -> float:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp)
+        return time.perf_counter() - t0
+
+    timed([prompt(32)], 2)  # warm up
+    t_start = time.perf_counter()
+    pre: dict[tuple[int, int], float] = {}
+    for n, p in PREFILL:
+        times = []
+        for _ in range(args.reps):
+            if p:
+                prefix = prompt(p)
+                timed([prefix], 1)  # now cached (whole blocks: p is a multiple of 16)
+                times.append(timed([prefix + prompt(n)], 1))
+            else:
+                times.append(timed([prompt(n)], 1))
+        pre[(n, p)] = statistics.median(times)
+    dec: dict[int, float] = {}
+    for b in DECODE:
+        steps = []
+        for _ in range(max(1, args.reps - 1)):
+            ps = [prompt(64) for _ in range(b)]
+            steps.append((timed(ps, 17) - timed(ps, 1)) / 16)
+        dec[b] = statistics.median(steps)
+
+    # Prefill: t = overhead + flops / rate.
+    def flops(n: int, p: int) -> float:
+        m = base
+        return m.layers * (m.attn_a * m.hidden * n * (n + p) + m.lin_b * m.hidden**2 * n)
+
+    x = np.array([[1.0, flops(n, p)] for n, p in pre])
+    y = np.array(list(pre.values()))
+    (p_over, inv_rate), *_ = np.linalg.lstsq(x, y, rcond=None)
+    rate = 1.0 / inv_rate
+    # Decode: t = c0 + c1 * batch. The batch-independent part is reading the weights (plus
+    # the fixed step overhead, assumed as before); the per-request part is the cost model's
+    # decode_per_request_s (attention, sampling and bookkeeping per running request on a CPU).
+    ctx = 64 + 8  # mean KV tokens of a request over its 16 measured steps
+    xd = np.array([[1.0, float(b)] for b in DECODE])
+    yd = np.array([dec[b] for b in DECODE])
+    (c0, c1), *_ = np.linalg.lstsq(xd, yd, rcond=None)
+    d_over = base.decode_overhead_s
+    bw = base.weight_bytes / max(1e-4, float(c0) - d_over)
+    fitted = replace(
+        base,
+        flops_per_s=float(rate),
+        mfu=1.0,
+        prefill_overhead_s=max(0.0, float(p_over)),
+        hbm_bytes_per_s=float(bw),
+        hbm_efficiency=1.0,
+        decode_per_request_s=max(0.0, float(c1)),
+    )
+    took, load = time.perf_counter() - t_start, os.getloadavg()[0]
+    print(f"dtype {dtype}, {args.threads} thread(s), median of {args.reps}; {took:.0f} s; "
+          f"load average {load:.1f}\n")  # fmt: skip
+    print("| prefill new tokens | cached tokens | measured (s) | fitted model (s) |")
+    print("| ---: | ---: | ---: | ---: |")
+    for (n, p), t in pre.items():
+        print(f"| {n} | {p} | {t:.3f} | {fitted.prefill_s(n, p):.3f} |")
+    print("\n| decode batch (64-token prompts) | measured step (ms) | fitted model (ms) |")
     print("| ---: | ---: | ---: |")
-    pre = {}
-    for n in (256, 1024, 2048):
-        pre[n] = timed(llm, [prompt(n)], 1)
-        print(f"| {n} | {pre[n]:.3f} | {M.prefill_s(n):.3f} |")
-    print("\n| decode batch (128-token prompts) | measured step (ms) | model (ms) |")
-    print("| ---: | ---: | ---: |")
-    dec = {}
-    for b in (1, 8, 32):
-        ps = [prompt(128) for _ in range(b)]
-        dec[b] = (timed(llm, ps, 33) - timed(llm, ps, 1)) / 32
-        model = M.decode_step_s(b, b * 144)
-        print(f"| {b} | {dec[b] * 1000:.1f} | {model * 1000:.1f} |")
-    # Effective rates that would make the model match the largest measurements.
-    flops = M.layers * (M.attn_a * M.hidden * 2048 * 2048 + M.lin_b * M.hidden**2 * 2048)
-    print(f"\nprefill: {flops / (pre[2048] - M.prefill_overhead_s) / 1e9:.0f} GFLOP/s effective")
-    print(f"decode batch 1: {M.weight_bytes / dec[1] / 1e9:.1f} GB/s effective weight reads")
+    for b, t in dec.items():
+        print(f"| {b} | {t * 1e3:.1f} | {fitted.decode_step_s(b, b * ctx) * 1e3:.1f} |")
+    f = fitted
+    print("\nSMOLLM2_CPU constants (engine/cluster/cost_model.py):")
+    print(f"    kv_bytes_per_token={f.kv_bytes_per_token}, weight_bytes={f.weight_bytes:.4g},")
+    print(f"    flops_per_s={rate:.4g}, mfu=1.0, prefill_overhead_s={f.prefill_overhead_s:.4g},")
+    print(f"    hbm_bytes_per_s={bw:.4g}, hbm_efficiency=1.0, "
+          f"decode_per_request_s={f.decode_per_request_s:.4g}")  # fmt: skip
+    llm.close()
     return 0
 
 

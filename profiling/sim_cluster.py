@@ -56,6 +56,9 @@ class SimConfig:
     pool_blocks: int = 0  # a global pool every prefill writes to (0: none)
     eviction: str = "lru"
     timeline_s: float = 0.0  # sample loads every so many seconds (0: off)
+    # The Conductor is told each request's output length (an oracle: how much a perfect
+    # output-length prediction would help predicted rejection).
+    oracle_output: bool = False
 
     def __post_init__(self) -> None:
         if self.colocated < 0:
@@ -259,7 +262,8 @@ class Simulator:
         if self.cfg.colocated:
             return self._coloc_arrive(req)
         tr = req.tr
-        d = self.conductor.decide(req.rid, tr.hash_ids, tr.input_len, self.now)
+        hint = tr.output_len if self.cfg.oracle_output else None
+        d = self.conductor.decide(req.rid, tr.hash_ids, tr.input_len, self.now, hint)
         if not d.accepted:
             self._window[1] += 1
             return self._finish(req, "rejected_arrival")

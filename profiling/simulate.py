@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--balancing-threshold", type=float, default=1.5)
     p.add_argument("--limit", type=int, default=0, help="first N requests only")
     p.add_argument("--duration", type=float, default=0.0, help="first S seconds of trace only")
+    p.add_argument(
+        "--oracle-output", action="store_true", help="the Conductor knows each output length"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--profile", action="store_true", help="cProfile the run (to stderr)")
     return p.parse_args(argv)
@@ -72,6 +75,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         cache_blocks=args.cache_blocks,
         pool_blocks=args.pool_blocks,
         eviction=args.eviction,
+        oracle_output=args.oracle_output,
     )
 
 

@@ -64,6 +64,17 @@ class ConductorConfig:
     # theirs (then their mean): the decode choice and the capacity check count prompt + this.
     prior_output_tokens: int = 256
     seed: int = 0  # of the random policy
+    # Roles whose blocks kvcentric may copy to a prefill instance: only those the cluster can
+    # really copy from (a planned copy that never happens makes every estimate after it wrong).
+    copy_sources: tuple[str, ...] = ("prefill", "pool")
+    # Refit the TBT model every this many decode reports (the simulator reports every step; a
+    # cluster's decode workers report a mean per heartbeat, so far fewer arrive).
+    tbt_refit_every: int = 256
+    # A copy from a prefill instance starts when the source's current work lets it (a worker
+    # serves it between its forward passes): it is estimated to wait for the source's queue, up
+    # to this many seconds (the router's copy timeout, after which the prefill runs without
+    # it). 0: copies start at once (the simulator's instances copy without delay).
+    copy_wait_cap_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -81,6 +92,13 @@ class ConductorConfig:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         if self.decode_time_s < 0:
             raise ValueError(f"decode_time_s must be >= 0, got {self.decode_time_s}")
+        bad = [r for r in self.copy_sources if r not in ("prefill", "pool")]
+        if bad:
+            raise ValueError(f"copy_sources must be roles among prefill and pool, got {bad}")
+        if self.copy_wait_cap_s < 0:
+            raise ValueError(f"copy_wait_cap_s must be >= 0, got {self.copy_wait_cap_s}")
+        if self.tbt_refit_every < 1:
+            raise ValueError(f"tbt_refit_every must be >= 1, got {self.tbt_refit_every}")
 
 
 class _Prefill:
@@ -135,7 +153,7 @@ class Conductor:
         self.prior = prior
         self.index = PrefixIndex()
         self.prefill_model = PrefillTimeModel(prior)
-        self.tbt_model = TbtModel(prior)
+        self.tbt_model = TbtModel(prior, refit_every=self.config.tbt_refit_every)
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, DecodeState] = {}
         self._pools: list[str] = []
@@ -212,21 +230,34 @@ class Conductor:
         if local and best_len / local <= self.config.balancing_threshold:
             return own
         cached_b = min(best_len * bt, cap)
+        wait = 0.0
+        if holder in self._prefills and self.config.copy_wait_cap_s > 0:
+            wait = min(self._prefills[holder].queue_s(now), self.config.copy_wait_cap_s)
         copied = Estimate(
             instance_id,
             best_len,
             local,
-            self.prior.copy_s(cached_b - cached),
+            wait + self.prior.copy_s(cached_b - cached),
             queue_s,
             self.prefill_model.predict(prompt_len - cached_b, cached_b),
         )
         return copied if copied.ttft_s < own.ttft_s else own
 
     def decide(
-        self, request_id: str, block_hashes: Sequence[Hashable], prompt_len: int, now: float
+        self,
+        request_id: str,
+        block_hashes: Sequence[Hashable],
+        prompt_len: int,
+        now: float,
+        output_tokens: int | None = None,
     ) -> pl.Decision:
+        """``output_tokens``: the request's output length when known (an oracle the simulator
+        can give, to bound what a better decode-time prediction would gain): its KV and its
+        decode time (that many steps at the estimated TBT) then replace the averages."""
         if prompt_len < 1:
             raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+        if output_tokens is not None and output_tokens < 0:
+            raise ValueError(f"output_tokens must be >= 0, got {output_tokens}")
         if request_id in self._where:
             raise ValueError(f"request_id {request_id!r} is already placed")
         keys = list(block_hashes)
@@ -235,7 +266,8 @@ class Conductor:
         if not self._decodes:
             return _reject(request_id, pl.REJECT_NO_DECODE)
         est = self._choose_prefill(keys, prompt_len, now)
-        tokens = prompt_len + self.expected_output_tokens()  # KV it will hold on its decode
+        out = self.expected_output_tokens() if output_tokens is None else output_tokens
+        tokens = prompt_len + out  # KV it will hold on its decode
         decode, est_tbt = self._choose_decode(tokens, now + est.ttft_s)
         reason = self._rejection(est.ttft_s, decode, tokens, now)
         if reason:
@@ -255,7 +287,10 @@ class Conductor:
         self._prefills[est.instance_id].push(request_id, est.transfer_s + est.prefill_s, now)
         cached = min(est.prefix_blocks * self.config.block_tokens, prompt_len - 1)
         self._prefill_est[request_id] = (prompt_len - cached, cached)
-        self._decodes[decode].add_incoming(request_id, tokens, now + est.ttft_s)
+        duration = None
+        if output_tokens is not None and math.isfinite(est_tbt):
+            duration = output_tokens * est_tbt
+        self._decodes[decode].add_incoming(request_id, tokens, now + est.ttft_s, duration)
         self._where[request_id] = (est.instance_id, decode)
         return pl.Decision(
             request_id,
@@ -282,7 +317,9 @@ class Conductor:
             return self.estimate(pick, keys, prompt_len, now)
         best: tuple[int, str | None] = (0, None)
         if policy == "kvcentric":
-            for holder in ids + self._pools:
+            src = self.config.copy_sources
+            holders = (ids if "prefill" in src else []) + (self._pools if "pool" in src else [])
+            for holder in holders:
                 n = self.index.match(holder, keys)
                 if n > best[0]:
                     best = (n, holder)
@@ -308,7 +345,11 @@ class Conductor:
         return decode, tbt_committed(self._decodes[decode], predict, tokens)
 
     def _holder_of(self, keys: list, blocks: int, exclude: str) -> str:
-        for holder in list(self._prefills) + self._pools:
+        src = self.config.copy_sources
+        holders = (list(self._prefills) if "prefill" in src else []) + (
+            self._pools if "pool" in src else []
+        )
+        for holder in holders:
             if holder != exclude and self.index.match(holder, keys) >= blocks:
                 return holder
         raise AssertionError("a copy was planned from a holder that does not exist")
@@ -367,7 +408,7 @@ class Conductor:
             self._decodes[where[1]].start(request_id, now)
 
     def on_decode_progress(
-        self, instance_id: str, now: float, batch: int, tokens: int, step_s: float
+        self, instance_id: str, now: float, batch: float, tokens: float, step_s: float
     ) -> None:
         if batch > 0 and step_s > 0 and math.isfinite(step_s):
             self.tbt_model.observe(batch, tokens, step_s)

@@ -24,11 +24,17 @@ goodbyes), ``on_event`` (the workers' published block events, which the router s
 ``bind`` (the router's id for the request just placed), ``prefill_done`` (the first token came
 back from the prefill worker, with the prefix it really reused) and ``finished`` (completed,
 failed, aborted or abandoned for a retry). A bound request leaves the estimated lifecycle: its
-queues drain on these reports. The prefill's measured time is the router's view (placement to
-first token, so it includes the decode reservation and the transfer's tail) and is fed to the
+queues drain on these reports. The prefill's measured time is the router's view (from
+``prefill_started``, or the placement when that is not reported, to the first token: it includes
+the transfer's tail, not the decode reservation or a block copy) and is fed to the
 prefill-time model only when the worker had no other request of ours in prefill, so that queueing
-is not taken for compute. Decode step times are not reported to the router (heartbeats carry
-queue lengths and KV usage only), so the TBT model stays on its prior.
+is not taken for compute. Decode workers report their mean step time, batch and KV tokens in
+every heartbeat (``decode_progress``), which the TBT model is refitted on.
+
+Block copies: ``planned_copies`` gives the router the copies of the request just placed, as
+(source, target, first block, end block) of its prompt; the router has copies between prefill
+workers done (block_copy.py) and reports each with ``copy_done``. Copies from a pool need no
+router: the target's pool lookup performs them.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ def make_placement(cfg) -> ConductorPlacement:
             ttft_slo_s=cfg.ttft_slo_s,
             tbt_slo_s=cfg.tbt_slo_s,
             block_tokens=cfg.block_size,
+            tbt_refit_every=16,  # one report per decode worker per heartbeat
+            copy_wait_cap_s=cfg.copy_timeout_s,  # the router waits no longer for a copy
         ),
         prior=get_cost_model(ROUTER_COST_MODEL),
     )
@@ -97,6 +105,8 @@ class ConductorPlacement:
         self._bound: dict[str, tuple[str, float, bool]] = {}  # router id -> (ours, placed, alone)
         self._reported: set[str] = set()  # our ids the router reports the lifecycle of
         self._in_prefill: dict[str, set[str]] = {}  # prefill worker -> router ids in prefill
+        self.copies_done = 0  # block copies between prefill workers the router reported
+        self.blocks_copied = 0
 
     def _sync(self, prefill: Sequence, decode: Sequence, now: float) -> None:
         live = {w.worker_id: "prefill" for w in prefill}
@@ -151,6 +161,13 @@ class ConductorPlacement:
         busy.add(router_id)
         self._reported.add(d.request_id)
 
+    def prefill_started(self, router_id: str, now: float) -> None:
+        """The prefill request left for its worker (after the decode reservation and any block
+        copy): its measured time starts here, so waiting for a copy is not taken for compute."""
+        bound = self._bound.get(router_id)
+        if bound is not None:
+            self._bound[router_id] = (bound[0], now, bound[2])
+
     def prefill_done(self, router_id: str, now: float, cached_tokens: int | None = None) -> None:
         bound = self._bound.get(router_id)
         if bound is None:
@@ -167,6 +184,28 @@ class ConductorPlacement:
         self._left_prefill(router_id)
         self._reported.discard(bound[0])
         self.conductor.on_request_finished(bound[0], now, output_tokens)
+
+    def planned_copies(self) -> list[tuple[str, str, int, int]]:
+        """The block copies of the request ``place`` accepted last: (source, target, first
+        block, end block) of its prompt's blocks."""
+        d = self.last_decision
+        if d is None or not d.accepted:
+            return []
+        out = []
+        for c in d.copies:
+            start = d.prefix_blocks - len(c.keys)
+            out.append((c.src, c.dst, start, d.prefix_blocks))
+        return out
+
+    def copy_done(self, router_id: str, blocks: int) -> None:
+        self.copies_done += 1
+        self.blocks_copied += max(0, blocks)
+
+    def decode_progress(
+        self, worker_id: str, now: float, batch: float, tokens: float, step_s: float
+    ) -> None:
+        """A decode worker's mean step over its last heartbeat interval."""
+        self.conductor.on_decode_progress(worker_id, now, batch, tokens, step_s)
 
     def _left_prefill(self, router_id: str) -> None:
         for ids in self._in_prefill.values():

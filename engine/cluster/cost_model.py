@@ -9,8 +9,8 @@ under GQA-8) on one node of 8 x A800-SXM4-80GB with tensor parallelism. Every co
 of ``CostModel`` with its source; those the papers do not state (MFU, bandwidth efficiency, step
 overhead) are our assumptions and say so.
 
-``smollm2-cpu``: SmolLM2-135M in float32 on this 2-core CPU, from the engine's figures measured
-here (see ``SMOLLM2_CPU`` for which, and what is assumed).
+``smollm2-cpu``: SmolLM2-135M as a cluster worker runs it on this 2-core CPU (one thread, bf16),
+fitted to times measured here by profiling/measure_cost.py (see ``SMOLLM2_CPU``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class CostModel:
     # Share of a prefill's KV still in flight to the decode instance when the prefill ends
     # (layer-wise streaming sends layer i while layer i+1 computes: about one layer's worth).
     stream_tail_fraction: float
+    # Per running request per decode step, beyond its KV read (attention, sampling and
+    # bookkeeping: on a CPU these grow with the batch; on the paper's GPUs they are in the
+    # overhead).
+    decode_per_request_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "block_tokens", "kv_bytes_per_token", "max_batch"):
@@ -58,6 +62,8 @@ class CostModel:
         for f in ("mfu", "hbm_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"{f} must be in (0, 1], got {getattr(self, f)}")
+        if self.decode_per_request_s < 0:
+            raise ValueError(f"decode_per_request_s must be >= 0, got {self.decode_per_request_s}")
         if not 0 <= self.stream_tail_fraction <= 1:
             raise ValueError(
                 f"stream_tail_fraction must be in [0, 1], got {self.stream_tail_fraction}"
@@ -77,9 +83,13 @@ class CostModel:
             return 0.0
         read = self.weight_bytes + context_tokens * self.kv_bytes_per_token
         flops = self.layers * self.lin_b * self.hidden**2 * batch  # the linear layers, per token
-        return self.decode_overhead_s + max(
-            read / (self.hbm_bytes_per_s * self.hbm_efficiency),
-            flops / (self.flops_per_s * self.mfu),
+        return (
+            self.decode_overhead_s
+            + self.decode_per_request_s * batch
+            + max(
+                read / (self.hbm_bytes_per_s * self.hbm_efficiency),
+                flops / (self.flops_per_s * self.mfu),
+            )
         )
 
     def copy_s(self, tokens: int) -> float:
@@ -121,13 +131,15 @@ PAPER = CostModel(
     stream_tail_fraction=1 / 80,  # one layer of 80 left in flight
 )
 
-# SmolLM2-135M on this machine's 2 shared CPU cores, float32 (30 layers, hidden 576, 3 KV heads
-# of 64: KV 2 * 30 * 3 * 64 * 4 B = 46,080 B per token; 134.5M parameters = 538 MB of weights).
-# Derived from the engine's figures measured here by profiling/bench_offline.py (README,
-# "Benchmarks"): GEMM at about 207 GFLOP/s fp32, GEMV weight bandwidth about 24 GB/s, batch-1
-# decode at 22.5 tok/s (44 ms a step, i.e. 51% of that bandwidth). No fit of our own: the prefill
-# MFU (0.5) and the per-step overheads are assumptions checked against the 1,024-token TTFT the
-# README reports (about 2 s with prefix caching off under a load of 32 requests).
+# SmolLM2-135M as a cluster worker runs it on this machine: one torch thread, bfloat16 (the
+# workers' dtype auto on this AVX512-BF16 CPU). 30 layers, hidden 576, 3 KV heads of 64: KV
+# 2 * 30 * 3 * 64 * 2 B = 23,040 B per token; 134.5M parameters = 269 MB of weights.
+# Fitted by ``python profiling/measure_cost.py`` (--threads 1 --dtype auto; 2026-11-30, 99 s,
+# load average 7 on the 2 cores shared with other jobs, so these are times under contention, as
+# the cluster benchmarks see them): prefill = 32 ms + FLOPs / 52.8 GFLOP/s (measured 0.36 s for
+# 64 tokens, 2.6 s for 512, 6.7 s for 1,024; 1.9 s for 256 after 512 cached); decode step =
+# 1 ms + 269 MB / 2.16 GB/s + 19 ms per running request (measured 141 / 207 / 428 ms at batch
+# 1 / 4 / 16). ``mfu`` and ``hbm_efficiency`` are 1: the rates are the effective ones measured.
 SMOLLM2_CPU = CostModel(
     name="smollm2-cpu",
     block_tokens=512,
@@ -135,20 +147,23 @@ SMOLLM2_CPU = CostModel(
     hidden=576,
     attn_a=4.0,
     lin_b=2 * 134.5e6 / (30 * 576 * 576),  # 2 FLOPs per parameter per token, as l * b * d^2
-    flops_per_s=207e9,
-    mfu=0.5,
-    prefill_overhead_s=0.01,
+    flops_per_s=5.281e10,
+    mfu=1.0,
+    prefill_overhead_s=0.03232,
     load_bytes_per_s=5e9,  # assumption: a DRAM copy
-    kv_bytes_per_token=2 * 30 * 3 * 64 * 4,
-    weight_bytes=134.5e6 * 4,
-    hbm_bytes_per_s=24e9,
-    hbm_efficiency=0.51,
-    decode_overhead_s=0.001,
-    decode_kv_capacity_tokens=200_000,  # assumption: about 9 GB of KV
+    kv_bytes_per_token=2 * 30 * 3 * 64 * 2,
+    weight_bytes=134.5e6 * 2,
+    hbm_bytes_per_s=2.157e9,
+    hbm_efficiency=1.0,
+    decode_overhead_s=0.001,  # assumption (inside the fitted batch-independent part)
+    decode_kv_capacity_tokens=200_000,  # assumption: about 4.6 GB of KV
     max_batch=64,
-    copy_bytes_per_s=2e9,  # assumption: shared-memory copy between processes
-    copy_latency_s=0.0005,
+    # Block copies between workers over TCP on this host (block_copy.py: gather, send, receive,
+    # check, scatter): an assumption, not measured.
+    copy_bytes_per_s=1e9,
+    copy_latency_s=0.002,
     stream_tail_fraction=1 / 30,
+    decode_per_request_s=0.01896,
 )
 
 COST_MODELS = {"paper": PAPER, "smollm2-cpu": SMOLLM2_CPU}

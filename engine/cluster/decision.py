@@ -77,7 +77,7 @@ class Placer(Protocol):
         prefix it really reused); the request moves to its decode instance."""
 
     def on_decode_progress(
-        self, instance_id: str, now: float, batch: int, tokens: int, step_s: float
+        self, instance_id: str, now: float, batch: float, tokens: float, step_s: float
     ) -> None:
         """A decode step of ``batch`` requests over ``tokens`` KV tokens took ``step_s``."""
 

@@ -8,6 +8,8 @@ Socket roles (fixed):
   long forward never delays one).
 - worker PUB -> router SUB: block events, ``{"type": "stored"|"removed", "namespace": hex,
   "keys": [...], "source": worker id}`` (the pool service's format, one msgpack map per message).
+- prefill PUSH -> prefill PULL (block copies, hot-prefix replication): ``BlockData``; the
+  router asks the source with ``CopyBlocks``, the target answers ``CopyDone``.
 - prefill PUSH -> decode PULL (KV): ``KVLayer`` (the layer's bytes as one raw frame over TCP;
   no frame over shared memory, where they already lie in the decode worker's staging area),
   ``KVDone`` (first tokens and sampler state; one raw frame per seeded generator), ``KVAbort``.
@@ -63,6 +65,7 @@ class Register(Message):
     events_address: str = ""  # its PUB socket of block events (the pool service's format)
     mooncake_address: str = ""  # decode over Mooncake: its Transfer Engine's address
     arena_addr: int = 0  # and the staging arena's registered base address
+    copy_address: str = ""  # prefill: the PULL endpoint other prefill workers copy blocks to
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,12 @@ class Heartbeat(Message):
     staging_used: int  # bytes of the staging arena held by transfers (decode)
     transfers: int  # transfers in flight (decode: receiving; prefill: sending)
     finished: dict = field(default_factory=dict)  # its engine's finished requests by reason
+    # Decode steps since the last heartbeat: how many, their mean seconds, running requests and
+    # KV tokens (the Conductor's time-between-tokens model is linear in both, so means fit it).
+    steps: int = 0
+    step_s: float = 0.0
+    step_batch: float = 0.0
+    step_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,18 @@ class RequestError(Message):
     message: str
 
 
+@dataclass(frozen=True)
+class CopyDone(Message):
+    """The target prefill worker of a block copy stored ``blocks`` of them in its prefix cache
+    (0 and ``error`` when none arrived or they were bad)."""
+
+    TYPE = "copy_done"
+    request_id: str  # the request the copy was planned for
+    worker_id: str
+    blocks: int
+    error: str = ""
+
+
 # -- control: router -> worker -----------------------------------------------------------------
 
 
@@ -151,6 +172,19 @@ class PrefillRequest(Message):
     stream_layers: bool = True  # False: every layer leaves after the prefill (benchmarks)
     peer_address: str = ""  # mooncake: the decode worker's Transfer Engine
     peer_base: int = 0  # mooncake: its staging arena's address
+
+
+@dataclass(frozen=True)
+class CopyBlocks(Message):
+    """To the source prefill worker: send the cached blocks ``start_block..`` of the prefix
+    ``token_ids`` (whole blocks) to the prefill worker whose copy endpoint is ``dst_address``
+    (hot-prefix replication, planned by the Conductor)."""
+
+    TYPE = "copy_blocks"
+    request_id: str
+    token_ids: list[int]
+    start_block: int
+    dst_address: str
 
 
 @dataclass(frozen=True)
@@ -203,6 +237,27 @@ class KVAbort(Message):
     reason: str
 
 
+# -- blocks: prefill -> prefill ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockData(Message):
+    """Blocks ``start_block .. start_block + num_blocks`` of the prefix ``token_ids`` (the target
+    recomputes their chained hashes from the tokens); one raw frame of their KV, laid out as the
+    paged cache's [layers, 2, num_blocks, block_size, kv_heads, head_dim], when num_blocks > 0."""
+
+    TYPE = "block_data"
+    request_id: str
+    worker_id: str  # the source
+    token_ids: list[int]
+    start_block: int
+    num_blocks: int
+    checksum: int  # crc32 of the frame
+
+    def expected_frames(self) -> int:
+        return 1 if self.num_blocks > 0 else 0
+
+
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -213,12 +268,15 @@ MESSAGES: dict[str, type[Message]] = {
         Outputs,
         TransferFailed,
         RequestError,
+        CopyDone,
         DecodeRequest,
         PrefillRequest,
+        CopyBlocks,
         Abort,
         KVLayer,
         KVDone,
         KVAbort,
+        BlockData,
     )
 }
 

@@ -33,10 +33,17 @@ class DecodeState:
     incoming: dict[str, tuple[int, float]] = field(default_factory=dict)
     running_tokens: int = 0
     incoming_tokens: int = 0
+    # request -> its expected decode time, when the placement knew its output length (else the
+    # prediction assumes the uniform decode time of every request)
+    durations: dict[str, float] = field(default_factory=dict)
 
-    def add_incoming(self, request_id: str, tokens: int, eta: float) -> None:
+    def add_incoming(
+        self, request_id: str, tokens: int, eta: float, duration: float | None = None
+    ) -> None:
         self.incoming[request_id] = (tokens, eta)
         self.incoming_tokens += tokens
+        if duration is not None:
+            self.durations[request_id] = duration
 
     def start(self, request_id: str, now: float) -> None:
         entry = self.incoming.pop(request_id, None)
@@ -46,6 +53,7 @@ class DecodeState:
             self.running_tokens += entry[0]
 
     def drop(self, request_id: str) -> bool:
+        self.durations.pop(request_id, None)
         entry = self.running.pop(request_id, None)
         if entry is not None:
             self.running_tokens -= entry[0]
@@ -95,10 +103,12 @@ def tbt_at(
     capacity: bool = True,
 ) -> float:
     """Estimated TBT of the instance at future time ``t``: running requests that started more
-    than ``decode_time_s`` before t are gone, incoming ones due by t have joined."""
+    than ``decode_time_s`` (or their own expected decode time, when known) before t are gone,
+    incoming ones due by t have joined."""
     batch, tokens = 0, 0
-    for n, started in state.running.values():
-        if t - started < decode_time_s:
+    durations = state.durations
+    for rid, (n, started) in state.running.items():
+        if t - started < durations.get(rid, decode_time_s):
             batch += 1
             tokens += n
     for n, eta in state.incoming.values():

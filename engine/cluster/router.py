@@ -65,11 +65,18 @@ class RouterConfig:
     policy: str = "kvcentric"
     rejection: str = "predicted"
     ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.1
+    # Not the paper's 0.1 s (its 70B model on GPUs): SmolLM2 on one CPU thread takes 50 to
+    # 150 ms a decode step alone, and the Conductor learns the real step times (heartbeats), so
+    # a 0.1 s default would refuse most requests on a CPU cluster.
+    tbt_slo_s: float = 1.0
     block_size: int = 16  # the workers' KV block size: prompts are hashed as they hash them
+    # How long a prefill waits for the block copy the Conductor planned before it (then it runs
+    # and recomputes what did not arrive).
+    copy_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in (
+            "copy_timeout_s",
             "heartbeat_timeout_s",
             "phase_timeout_s",
             "transfer_deadline_s",
@@ -99,6 +106,7 @@ class _Worker:
     events_address: str = ""
     mooncake_address: str = ""
     arena_addr: int = 0
+    copy_address: str = ""  # prefill: where other prefill workers push block copies
     state: str = "up"  # up | draining | dead | left
     last_seen: float = 0.0
     hb: m.Heartbeat | None = None
@@ -127,12 +135,14 @@ class _Request:
     deadline: float
     choices: list[_Choice]
     metrics: RequestMetrics
-    phase: str = "new"  # new | reserving | prefill | decode
+    phase: str = "new"  # new | reserving | copying | prefill | decode
     prefill: str = ""
     decode: str = ""
     attempts: int = 0
     phase_deadline: float = 0.0
     wire_id: str = ""  # the id workers know this attempt by: request id / attempt
+    copy_wait: bool = False  # a block copy to its prefill worker is under way
+    ready: tuple | None = None  # (decode worker, DecodeReady) while the copy finishes
 
     @property
     def streamed(self) -> bool:
@@ -363,6 +373,12 @@ class Router:
         a holder prefill workers load prefixes from (conductor_placement.py)."""
         self._command(("add_pool", source, events_address))
 
+    def set_placement(self, placement: Placement) -> None:
+        """Place requests from now on with ``placement`` (benchmarks compare policies on one
+        cluster); it learns the live workers on its first ``place``. Pools added before are not
+        carried over."""
+        self._command(("set_placement", placement))
+
     def _command(self, cmd: tuple) -> None:
         self._commands.append(cmd)
         self._wake()
@@ -451,6 +467,8 @@ class Router:
             self.block_index[cmd[1]] = set()
             self._events.connect(cmd[2])
             self._tell("worker_joined", cmd[1], "pool", time.monotonic())
+        elif cmd[0] == "set_placement":
+            self.placement = cmd[1]
         elif cmd[0] == "abort_all":
             for req in list(self._requests.values()):
                 self._abort_legs(req)
@@ -488,11 +506,30 @@ class Router:
         req.wire_id = f"{req.request_id}/{req.attempts}"
         self._wire[req.wire_id] = req
         self._tell("bind", req.wire_id)
+        req.ready = None
+        req.copy_wait = self._start_copies(req)
         msg = m.DecodeRequest(
             req.wire_id, req.ids, params_to_wire(req.params), self.cfg.transfer_deadline_s
         )
         if not self._send(self.workers[req.decode], msg):
             self._retry(req, f"decode worker {req.decode} is unreachable")
+
+    def _start_copies(self, req: _Request) -> bool:
+        """Ask the source of each block copy the placement planned between prefill workers to
+        send it (block_copy.py); True if one was sent. Copies from a pool need nothing: the
+        prefill worker's pool lookup performs them."""
+        planned = getattr(self.placement, "planned_copies", None)
+        sent = False
+        for src_id, dst_id, start, end in planned() if planned is not None else ():
+            src, dst = self.workers.get(src_id), self.workers.get(dst_id)
+            if src is None or dst is None or dst_id != req.prefill or not dst.copy_address:
+                continue
+            if src.role != "prefill" or src.state != "up" or end <= start:
+                continue
+            bs = self.cfg.block_size
+            msg = m.CopyBlocks(req.wire_id, req.ids[: end * bs], start, dst.copy_address)
+            sent = self._send(src, msg) or sent
+        return sent
 
     def _retry(self, req: _Request, why: str, code: int = 503) -> None:
         self._abort_legs(req)
@@ -546,6 +583,11 @@ class Router:
                 w.last_seen, w.hb = now, msg
                 if msg.state == "draining":
                     w.state = "draining"
+                if msg.steps > 0 and w.role == "decode":  # the Conductor's TBT model learns
+                    self._tell(
+                        "decode_progress", w.worker_id, now, msg.step_batch, msg.step_tokens,
+                        msg.step_s,
+                    )  # fmt: skip
             return
         if isinstance(msg, m.Goodbye):
             w = self.workers.get(msg.worker_id)
@@ -566,7 +608,18 @@ class Router:
             if msg.error is not None:
                 self._retry(req, f"decode worker {wid}: {msg.error}")
                 return
+            if req.copy_wait:  # the prefill starts when the copy is in (or late)
+                req.ready, req.phase = (sender, msg), "copying"
+                req.phase_deadline = time.monotonic() + self.cfg.copy_timeout_s
+                return
             self._start_prefill(req, sender, msg)
+        elif isinstance(msg, m.CopyDone):
+            if wid != req.prefill or not req.copy_wait:
+                return
+            req.copy_wait = False
+            self._tell("copy_done", req.wire_id, msg.blocks)
+            if req.phase == "copying":
+                self._start_prefill(req, *req.ready)
         elif isinstance(msg, m.Outputs):
             if wid not in (req.prefill, req.decode):
                 return
@@ -621,6 +674,7 @@ class Router:
             events_address=msg.events_address,
             mooncake_address=msg.mooncake_address,
             arena_addr=msg.arena_addr,
+            copy_address=msg.copy_address,
             last_seen=now,
         )
         self.block_index[msg.worker_id] = set()
@@ -648,6 +702,7 @@ class Router:
             transport = "tcp"
         req.phase = "prefill"
         req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
+        self._tell("prefill_started", req.wire_id, time.monotonic())
         msg = m.PrefillRequest(
             req.wire_id,
             req.ids,
@@ -803,5 +858,8 @@ class Router:
             if now > req.deadline:
                 self._abort_legs(req)
                 self._fail(req, TimeoutError(f"request {req.request_id} passed its deadline"))
+            elif req.phase == "copying" and now > req.phase_deadline:
+                req.copy_wait = False  # the copy is late: prefill without it
+                self._start_prefill(req, *req.ready)
             elif req.phase in ("reserving", "prefill") and now > req.phase_deadline:
                 self._retry(req, f"no progress in the {req.phase} phase", code=503)

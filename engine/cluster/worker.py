@@ -29,6 +29,7 @@ import msgpack
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.step_stats import StepStats
 from engine.config import EngineConfig
 from engine.security import curve
 
@@ -107,6 +108,8 @@ class Worker:
 
             self.mooncake = MooncakeEndpoint(cfg.kv_host, cfg.mooncake_metadata)
         self.arena_addr = 0
+        self.copier = None  # prefill: block copies to and from other prefill workers
+        self.step_stats = StepStats()  # decode: step times for the router's Conductor
         kv, bs = self.engine.cache.kv, self.engine.kv.block_size
         if cfg.role == "prefill":
             from engine.cluster.kv_sender import KVSender
@@ -115,6 +118,11 @@ class Worker:
             self.sender = KVSender(kv, bs, inner=self.engine.connector, mooncake=self.mooncake)
             self._attach(self.sender)
             self.role = PrefillRole(self.engine, self.sender, self.worker_id, self._emit)
+            from engine.cluster.block_copy import BlockCopier
+
+            self.copier = BlockCopier(
+                self.engine, self.worker_id, self._emit, self.ctx, cfg.kv_host
+            )
             self.kv_address, self.shm_path = "", ""
         else:
             from engine.cluster.kv_receiver import KVReceiver
@@ -174,6 +182,7 @@ class Worker:
             events_address=self.events_address,
             mooncake_address=self.mooncake.address if self.mooncake is not None else "",
             arena_addr=self.arena_addr,
+            copy_address=self.copier.address if self.copier is not None else "",
         )
 
     def _heartbeat_loop(self) -> None:
@@ -188,6 +197,7 @@ class Worker:
                 e = self.engine
                 with e.metrics.lock:
                     finished = dict(e.metrics.finished)
+                st = self.step_stats.take()
                 hb = m.Heartbeat(
                     self.worker_id,
                     self.state,
@@ -198,6 +208,10 @@ class Worker:
                     self.arena.used if self.arena is not None else 0,
                     self.role.num_requests,
                     finished=finished,
+                    steps=st.steps,
+                    step_s=st.step_s,
+                    step_batch=st.batch,
+                    step_tokens=st.tokens,
                 )
                 try:
                     sock.send_multipart(m.encode(hb), zmq.NOBLOCK)
@@ -222,6 +236,8 @@ class Worker:
         poller = zmq.Poller()
         poller.register(ctl, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)
+        if self.copier is not None:
+            poller.register(self.copier.sock, zmq.POLLIN)
         log.info("%s worker %s up (router %s)", self.cfg.role, self.worker_id, self.cfg.router)
         next_check = 0.0
         next_register = time.monotonic() + REGISTER_EVERY_S
@@ -235,6 +251,8 @@ class Worker:
                 events = dict(poller.poll(0 if busy else 50))
                 if ctl in events:
                     self._take_control(ctl)
+                if self.copier is not None and self.copier.sock in events:
+                    self.copier.take()
                 if self._wake_pull in events:
                     while True:
                         try:
@@ -248,7 +266,7 @@ class Worker:
                         next_check = now + 0.1
                         self.role.check_deadlines()
                 if self.engine.has_unfinished_requests():
-                    self.role.after_step(self.engine.step())
+                    self._step()
                 if time.monotonic() >= next_register:  # a restarted router learns of us
                     next_register = time.monotonic() + REGISTER_EVERY_S
                     self._emit(self._register())
@@ -261,6 +279,17 @@ class Worker:
             hb.join(timeout=2)
             self.close()
             ctl.close(linger=1000)
+
+    def _step(self) -> None:
+        if self.cfg.role != "decode":
+            self.role.after_step(self.engine.step())
+            return
+        running = self.engine.scheduler.running
+        batch, tokens = len(running), sum(r.num_tokens for r in running)
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        self.step_stats.add(time.perf_counter() - t0, batch, tokens)
+        self.role.after_step(outputs)
 
     def _take_control(self, ctl: zmq.Socket) -> None:
         for _ in range(1000):  # bounded: the engine gets its step between bursts
@@ -275,6 +304,9 @@ class Worker:
                 continue
             if isinstance(msg, m.Abort):
                 self.role.abort(msg.request_id)
+            elif isinstance(msg, m.CopyBlocks):
+                if self.copier is not None:
+                    self.copier.send(msg)
             elif isinstance(msg, (m.PrefillRequest, m.DecodeRequest)):
                 if self.state != "up":
                     self._emit(m.RequestError(msg.request_id, self.worker_id, 503, "draining"))
@@ -331,6 +363,8 @@ class Worker:
             conn.close()
         if self.arena is not None:
             self.arena.close()
+        if self.copier is not None:
+            self.copier.close()
         self._wake_pull.close(linger=0)
         self._pub.close(linger=0)
 

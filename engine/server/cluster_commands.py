@@ -85,7 +85,7 @@ def _placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="kvcentric", choices=POLICIES, help="placement")
     p.add_argument("--rejection", default="predicted", choices=REJECTIONS, help="early rejection")
     p.add_argument("--ttft-slo", type=float, default=30.0, help="seconds (rejection)")
-    p.add_argument("--tbt-slo", type=float, default=0.1, help="seconds (rejection)")
+    p.add_argument("--tbt-slo", type=float, default=1.0, help="seconds (rejection)")
 
 
 def placement_config(args: argparse.Namespace) -> dict:

@@ -291,3 +291,83 @@ def test_decode_choice_ranks_instances_that_are_all_full_by_how_full():
     assert len(c.decode_state("D1").incoming) == 3 and len(c.decode_state("D2").incoming) == 2
     d = c.decide("new", keys("new", 2), 2 * BT, 0.0)
     assert d.decode == "D2" and math.isinf(d.est_tbt_s)  # the less full; it would not fit now
+
+
+def test_copies_are_planned_only_from_the_sources_the_cluster_can_copy_from():
+    prompt = keys("p", 20)
+
+    def decide(**kw):
+        c = make("kvcentric", busy={"A": 20.0}, **kw)
+        c.on_event("A", stored(prompt))  # A holds the prefix, but its queue rules it out
+        return c.decide("r", prompt, 20 * BT + 7, 0.0)
+
+    d = decide()
+    assert (d.prefill, d.prefix_blocks, d.copies[0].src) == ("B", 20, "A")
+    # A cluster that copies only from pools: B is estimated to recompute, no copy is planned.
+    d = decide(copy_sources=("pool",))
+    assert (d.prefill, d.prefix_blocks, d.copies) == ("B", 0, ())
+    with pytest.raises(ValueError, match="copy_sources"):
+        ConductorConfig(copy_sources=("decode",))
+
+
+def test_tbt_model_leaves_its_prior_on_fed_decode_steps():
+    c = make("load", rejection="early", tbt_slo_s=0.1, tbt_refit_every=16)
+    assert c.tbt_model.predict(1, 400) < 0.05  # the paper's A800 node: far under the SLO
+    assert c.decide("before", keys("x", 1), 100, 0.0).accepted
+    c.on_request_finished("before", 0.0)
+
+    def step_s(batch, tokens):  # this decode instance: 100 ms a step even alone
+        return 0.05 + 0.05 * batch + 0.01 * tokens / 1000
+
+    for i in range(16):  # reports of mean steps, as decode workers' heartbeats carry them
+        batch, tokens = 1 + i % 8, 500.0 * (1 + i % 5)
+        c.on_decode_progress("D", float(i), batch, tokens, step_s(batch, tokens))
+    assert c.tbt_model.fitted
+    assert c.tbt_model.predict(4, 2000) == pytest.approx(step_s(4, 2000), rel=1e-6)
+    # ...so early rejection now refuses what it accepted before.
+    d = c.decide("after", keys("x", 1), 100, 20.0)
+    assert not d.accepted and d.reason == REJECT_TBT
+
+
+def test_a_copy_from_a_busy_prefill_instance_counts_its_wait():
+    """A worker serves a copy between its forward passes: with copy_wait_cap_s the copy is
+    estimated to wait for the source's queue (up to the cap), so a busy holder's prefix is
+    recomputed rather than waited for, unless the wait is capped below the recompute."""
+    prompt = keys("p", 4)
+
+    def decide(cap):
+        c = make("kvcentric", busy={"A": 20.0}, copy_wait_cap_s=cap)
+        c.on_event("A", stored(prompt))
+        return c.decide("r", prompt, 4 * BT + 7, 0.0)
+
+    assert decide(0.0).copies  # the simulator's instances copy at once
+    recompute = PAPER.prefill_s(4 * BT + 7) - PAPER.prefill_s(7, 4 * BT)
+    d = decide(2 * recompute)  # the wait (capped) costs more than recomputing 4 blocks
+    assert (d.prefill, d.copies, d.prefix_blocks) == ("B", (), 0)
+    assert decide(recompute / 4).copies  # a short cap: the copy still pays
+
+
+def test_known_output_lengths_replace_the_uniform_decode_time_in_the_prediction():
+    """With output lengths given (the simulator's oracle), a running request is predicted to
+    stay for its own decode time (its length times the estimated TBT), not the uniform one."""
+    ptoks, plen = 20 * BT, 16 * BT
+
+    def decide(now, out):
+        c = make("load", rejection="predicted", prefills=("A",), decode_time_s=10.0)
+        for i in range(40):
+            ks = keys(f"run{i}-", 2)
+            assert c.decide(f"run{i}", ks, ptoks, 0.0, output_tokens=out).accepted
+            c.on_prefill_done(f"run{i}", 0.0)
+        extra = plen + c.expected_output_tokens()
+        held = c.decode_state("D").running_tokens
+        alone, busy = c.tbt_model.predict(1, extra), c.tbt_model.predict(41, held + extra)
+        c = _with(c, tbt_slo_s=(alone + busy) / 2)
+        return c.decide("new", keys("new", 16), plen, now).accepted
+
+    # Uniform 10 s decodes: gone for a prefill ending after t=10, present for one before.
+    assert decide(9.5, None) and not decide(1.0, None)
+    # Long known outputs (minutes of decode) outlive the uniform 10 s; one token does not.
+    assert not decide(9.5, 5000)
+    assert decide(1.0, 1)
+    with pytest.raises(ValueError, match="output_tokens"):
+        make().decide("r", keys("x", 1), 10, 0.0, output_tokens=-1)

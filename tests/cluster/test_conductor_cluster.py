@@ -66,3 +66,40 @@ def test_pool_service_events_reach_the_conductor():
         while index.match(pools[0], chain) < len(chain):
             assert time.monotonic() < deadline, "the pool's events never reached the Conductor"
             time.sleep(0.2)
+
+
+class Scripted:
+    """Places request i on ``plan[i]`` = (prefill worker, copies as (src, dst, start, end))."""
+
+    def __init__(self, plan) -> None:
+        self.plan = list(plan)
+        self.copies: list = []
+        self.done: list[int] = []
+
+    def place(self, prompt_token_ids, prefill, decode):
+        where, self.copies = self.plan.pop(0)
+        return (where, decode[0].worker_id)
+
+    def planned_copies(self):
+        return self.copies
+
+    def copy_done(self, router_id: str, blocks: int) -> None:
+        self.done.append(blocks)
+
+
+def test_blocks_copied_between_prefill_workers_are_served_from_the_targets_cache():
+    """Hot-prefix replication on real workers: prefill-0 computes the prompt; the next request
+    goes to prefill-1, which never saw it, with the prefix copied from prefill-0 first (block
+    copies over the workers' own sockets): prefill-1 reports the prefix as cached and the greedy
+    output is the one computed from scratch."""
+    with Cluster(2, 1, worker_args=WORKER_ARGS) as c:
+        router = c.router
+        n = len(PROMPT) // 16
+        placement = Scripted([("prefill-0", []), ("prefill-1", [("prefill-0", "prefill-1", 0, n)])])
+        router.set_placement(placement)
+        first = asyncio.run(run(router, PROMPT, "a"))
+        assert first.metrics.num_cached_tokens == 0
+        copied = asyncio.run(run(router, PROMPT, "b"))
+        assert placement.done == [n]
+        assert copied.metrics.num_cached_tokens == n * 16
+        assert copied.outputs[0].token_ids == first.outputs[0].token_ids

@@ -47,6 +47,14 @@ SAMPLES = [
         frames=(b"state",),
     ),
     m.KVAbort("r1", "aborted by the client"),
+    m.Heartbeat(
+        "d0", "up", 3, 0, 0.5, 9, 0, 2, steps=12, step_s=0.04, step_batch=2.5, step_tokens=380.0
+    ),  # fmt: skip
+    m.CopyBlocks("r1", list(range(32)), 1, "tcp://127.0.0.1:7"),
+    m.BlockData("r1", "p0", list(range(32)), 1, 1, 123, frames=(b"\x02" * 8,)),
+    m.BlockData("r1", "p0", [], 0, 0, 0),
+    m.CopyDone("r1", "p1", 1),
+    m.CopyDone("r1", "p1", 0, error="block data checksum mismatch"),
 ]
 
 

@@ -22,6 +22,7 @@ INF = math.inf
             0.0,
         ),
         (SimConfig(prefill=8, decode=1, rejection="early"), 2.0, 0.0),
+        (SimConfig(prefill=8, decode=1, oracle_output=True), 2.0, 0.0),
         (SimConfig(colocated=16, rejection="none", ttft_slo_s=INF, tbt_slo_s=INF), 0.25, 1200.0),
     ],
 )

@@ -48,6 +48,10 @@ class ScriptedWorkers:
         self.pubs: dict[str, zmq.Socket] = {}
         self.roles = {w: "prefill" for w in prefill} | {w: "decode" for w in decode}
         self.prefills: list[tuple[str, str]] = []  # (worker, request) of every PrefillRequest
+        self.log: list[tuple[str, str]] = []  # (what, worker) of copies and prefills, in order
+        self.answer_copies = True  # the target of a CopyBlocks answers CopyDone at once
+        self.beat_s = 1.0
+        self.decode_steps: tuple[int, float, float, float] | None = None  # heartbeat's steps
         self.lock = threading.Lock()  # sockets are used by the loop thread and publish()
         for wid, role in self.roles.items():
             s = self.ctx.socket(zmq.DEALER)
@@ -58,7 +62,9 @@ class ScriptedWorkers:
             pub.bind("tcp://127.0.0.1:0")
             self.socks[wid], self.pubs[wid] = s, pub
             reg = m.Register(wid, role, os.getpid(), "default", 1024, "", "", "tcp", "h",
-                             events_address=pub.getsockopt_string(zmq.LAST_ENDPOINT))  # fmt: skip
+                             events_address=pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                             copy_address=f"tcp://copy-{wid}:1" if role == "prefill" else "",
+                             )  # fmt: skip
             s.send_multipart(m.encode(reg))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -74,9 +80,13 @@ class ScriptedWorkers:
             ready = dict(poller.poll(50))
             with self.lock:
                 if time.monotonic() > next_beat:
-                    next_beat = time.monotonic() + 1.0
+                    next_beat = time.monotonic() + self.beat_s
                     for wid, s in self.socks.items():
-                        s.send_multipart(m.encode(m.Heartbeat(wid, "up", 0, 0, 0.0, 0, 0, 0)))
+                        steps = self.decode_steps if self.roles[wid] == "decode" else None
+                        n, sec, batch, tokens = steps or (0, 0.0, 0.0, 0.0)
+                        hb = m.Heartbeat(wid, "up", 0, 0, 0.0, 0, 0, 0, steps=n, step_s=sec,
+                                         step_batch=batch, step_tokens=tokens)  # fmt: skip
+                        s.send_multipart(m.encode(hb))
                 for wid, s in self.socks.items():
                     if s in ready:
                         self._answer(wid, s, m.decode(s.recv_multipart()))
@@ -84,7 +94,15 @@ class ScriptedWorkers:
     def _answer(self, wid: str, s: zmq.Socket, msg) -> None:
         if isinstance(msg, m.DecodeRequest):
             s.send_multipart(m.encode(m.DecodeReady(msg.request_id, 0, 0)))
+        elif isinstance(msg, m.CopyBlocks):
+            self.log.append(("copy", wid))
+            dst = msg.dst_address.removeprefix("tcp://copy-").removesuffix(":1")
+            if self.answer_copies:
+                done = m.CopyDone(msg.request_id, dst, len(msg.token_ids) // 16 - msg.start_block)
+                self.socks[dst].send_multipart(m.encode(done))
+                self.log.append(("copy_done", dst))
         elif isinstance(msg, m.PrefillRequest):
+            self.log.append(("prefill", wid))
             self.prefills.append((wid, msg.request_id))
             out = {"index": 0, "offset": 0, "token_ids": [7], "text_offset": 0, "text": "x",
                    "logprobs": None, "finish_reason": "length", "stop_reason": None}  # fmt: skip
@@ -243,3 +261,62 @@ def test_kvcentric_plans_a_copy_from_a_pool_whose_events_hold_the_prefix(make):
     d = router.placement.last_decision
     assert d.prefix_blocks == len(chain)
     assert [(c.src, c.dst, c.keys) for c in d.copies] == [("pool@test", d.prefill, tuple(chain))]
+
+
+class CopyingPlacement:
+    """Every request to p1 with its first ``blocks`` blocks copied from p0 (the decision the
+    Conductor makes when p0 holds the prefix and is busy)."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+        self.done: list[tuple[str, int]] = []
+
+    def place(self, prompt_token_ids, prefill, decode):
+        return ("p1", "d0")
+
+    def planned_copies(self):
+        return [("p0", "p1", 0, self.blocks)]
+
+    def copy_done(self, router_id: str, blocks: int) -> None:
+        self.done.append((router_id, blocks))
+
+
+def test_prefill_starts_after_the_planned_block_copy_is_in(make):
+    router, workers = make()
+    placement = CopyingPlacement(blocks=5)
+    router.set_placement(placement)
+    out = asyncio.run(first(router, PROMPT, "c"))
+    assert out.finished
+    assert workers.log == [("copy", "p0"), ("copy_done", "p1"), ("prefill", "p1")]
+    assert placement.done == [("c/0", 5)]
+
+
+def test_a_copy_that_never_comes_delays_the_prefill_only_until_the_copy_timeout(make):
+    router, workers = make(copy_timeout_s=2.0)
+    workers.answer_copies = False
+    router.set_placement(CopyingPlacement(blocks=5))
+
+    async def watch():
+        task = asyncio.ensure_future(first(router, PROMPT, "late"))
+        phases = set()
+        while not task.done():
+            phases.add((router.placement_of("late") or ("gone",))[0])
+            await asyncio.sleep(0.01)
+        return phases, task.result()
+
+    phases, out = asyncio.run(watch())
+    assert "copying" in phases  # it waited for the copy...
+    assert out.finished and workers.log == [("copy", "p0"), ("prefill", "p1")]  # ...then went on
+
+
+def test_decode_step_reports_in_heartbeats_refit_the_tbt_model(make):
+    router, workers = make()
+    conductor = router.placement.conductor
+    assert not conductor.tbt_model.fitted
+    workers.beat_s = 0.02
+    workers.decode_steps = (12, 0.3, 4.0, 2500.0)  # 300 ms steps: far slower than the prior
+    deadline = time.monotonic() + 20
+    while not conductor.tbt_model.fitted:
+        assert time.monotonic() < deadline, "the decode reports never reached the Conductor"
+        time.sleep(0.05)
+    assert conductor.tbt_model.predict(4, 2500) == pytest.approx(0.3, rel=1e-3)
