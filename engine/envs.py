@@ -30,9 +30,22 @@ def configure_inductor_cache() -> str:
     compile workers see it too. Returns the directory."""
     path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not path:
-        base = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
-            os.path.expanduser("~"), ".cache", "engine"
-        )
-        path = os.path.join(base, "inductor")
+        path = os.path.join(cache_root(), "inductor")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return path
+
+
+def cache_root() -> str:
+    """ENGINE_CACHE_DIR, else ~/.cache/engine: where the engine keeps what it can rebuild."""
+    return os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "engine"
+    )
+
+
+def weight_cache_dir() -> str | None:
+    """Where dequantized weights are cached (engine/weight_cache.py): ENGINE_WEIGHT_CACHE_DIR,
+    else ENGINE_CACHE_DIR/weights, else ~/.cache/engine/weights. None when ENGINE_WEIGHT_CACHE
+    is 0, false, off or no."""
+    if os.environ.get("ENGINE_WEIGHT_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    return os.environ.get("ENGINE_WEIGHT_CACHE_DIR") or os.path.join(cache_root(), "weights")

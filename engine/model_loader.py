@@ -82,6 +82,13 @@ def load_model(
     show_progress: bool = True,
 ) -> LoadedModel:
     """Load ``model`` ("default", a .gguf file, or a directory with config.json or one .gguf)."""
+    path, checkpoint = open_checkpoint(model)
+    weights = read_weights(checkpoint, path, dtype, torch.device(device), show_progress)
+    return LoadedModel(checkpoint.config, weights, checkpoint.tokenizer, path)
+
+
+def open_checkpoint(model: str) -> tuple[str, Checkpoint]:
+    """The file or directory ``model`` names, and its config, tokenizer and (unread) tensors."""
     # Imported here: both readers import TensorSource and Checkpoint from this module.
     from engine.gguf_loader import load_gguf_checkpoint
     from engine.hf_loader import load_hf_checkpoint
@@ -96,11 +103,8 @@ def load_model(
             )
         path = os.path.join(path, ggufs[0])
     if os.path.isdir(path):
-        checkpoint = load_hf_checkpoint(path)
-    else:
-        checkpoint = load_gguf_checkpoint(path)
-    weights = read_weights(checkpoint, path, dtype, torch.device(device), show_progress)
-    return LoadedModel(checkpoint.config, weights, checkpoint.tokenizer, path)
+        return path, load_hf_checkpoint(path)
+    return path, load_gguf_checkpoint(path)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
