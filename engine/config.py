@@ -216,6 +216,9 @@ class EngineConfig:
     # dynamo's guard checks (~0.5 ms per compiled call under load) eat what fusion saves.
     compile: bool = False
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Keep a GGUF model's dequantized weights in a file (engine/weight_cache.py) and map it on
+    # later starts; ENGINE_WEIGHT_CACHE=0 turns it off too.
+    weight_cache: bool = True
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

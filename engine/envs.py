@@ -30,10 +30,7 @@ def configure_inductor_cache() -> str:
     compile workers see it too. Returns the directory."""
     path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not path:
-        base = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
-            os.path.expanduser("~"), ".cache", "engine"
-        )
-        path = os.path.join(base, "inductor")
+        path = os.path.join(cache_root(), "inductor")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return path
 
@@ -55,3 +52,19 @@ def fault_kv() -> str | None:
     """ENGINE_FAULT_KV (tests only): faults injected into KV layer messages a prefill worker
     sends, e.g. "drop=0.05,corrupt=0.05,delay=0.05,delay_s=0.3,seed=1" (cluster/faults.py)."""
     return os.environ.get("ENGINE_FAULT_KV") or None
+
+
+def cache_root() -> str:
+    """ENGINE_CACHE_DIR, else ~/.cache/engine: where the engine keeps what it can rebuild."""
+    return os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "engine"
+    )
+
+
+def weight_cache_dir() -> str | None:
+    """Where dequantized weights are cached (engine/weight_cache.py): ENGINE_WEIGHT_CACHE_DIR,
+    else ENGINE_CACHE_DIR/weights, else ~/.cache/engine/weights. None when ENGINE_WEIGHT_CACHE
+    is 0, false, off or no."""
+    if os.environ.get("ENGINE_WEIGHT_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    return os.environ.get("ENGINE_WEIGHT_CACHE_DIR") or os.path.join(cache_root(), "weights")

@@ -20,11 +20,12 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kvcache.connector import KVConnector, step_blocks
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.kvcache.paged_cache import PagedKVCache, bytes_per_block, choose_num_blocks
-from engine.layers.llama import LayerHook, LlamaForCausalLM
+from engine.layers.llama import LayerHook
 from engine.metrics import EngineMetrics, MetricsSnapshot, StepTimes
-from engine.model_loader import load_model
+from engine.model_builder import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.prompt_logprobs import fill_prompt_logprobs, rows_wanted
 from engine.request import Request
 from engine.sampling import Sampler, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
@@ -63,17 +64,19 @@ class LLMEngine:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         torch.manual_seed(config.seed)
-        loaded = load_model(
-            config.model, dtype=self.dtype, device=self.device, show_progress=config.show_progress
+        built = build_model(
+            config.model,
+            self.dtype,
+            self.device,
+            show_progress=config.show_progress,
+            use_cache=config.weight_cache,
         )
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.model_path = loaded.path
-        model = LlamaForCausalLM(loaded.config, self.dtype, self.device)
-        model.load_weights(loaded.weights, source=loaded.path)
-        del loaded
-        model.eval()
-        self.model = model
+        self.model_config = built.config
+        self.tokenizer = built.tokenizer
+        self.model_path = built.path
+        self.weight_cache_hit = built.cache_hit
+        model = self.model = built.model
+        del built
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         cc = config.cache
         if self.device.type != "cuda":
@@ -123,6 +126,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}
         self.layer_hook: LayerHook | None = None
         self.num_steps = 0
         self.step_times = StepTimes()
@@ -180,18 +184,19 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            children.append(
-                Request(
-                    rid if params.n == 1 else f"{rid}#{i}",
-                    ids,
-                    params,
-                    IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                    prompt=text,
-                    cache_salt=cache_salt,
-                    generator=None if seed is None else make_generator(seed, self.device),
-                    arrival_time=arrival_time,
-                )
+            child = Request(
+                rid if params.n == 1 else f"{rid}#{i}",
+                ids,
+                params,
+                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                prompt=text,
+                cache_salt=cache_salt,
+                generator=None if seed is None else make_generator(seed, self.device),
+                arrival_time=arrival_time,
             )
+            if i > 0:
+                child.prompt_logprobs = None  # one child computes them for all (same prompt)
+            children.append(child)
         added = []
         try:
             for child in children:
@@ -291,7 +296,14 @@ class LLMEngine:
                     self.metrics.queue_time.observe(now - m.arrival_time)
         inputs = self.runner.prepare(sched.scheduled, self.kv.block_tables)
         t1 = time.perf_counter()
-        logits = self.runner.execute(inputs, self._layer_hook(inputs))
+        wanted = rows_wanted(inputs.order, [s.num_tokens for s in inputs.order])
+        if wanted:
+            step = self.runner.execute_with_hidden(inputs, self._layer_hook(inputs))
+            logits = step.logits
+            fill_prompt_logprobs(wanted, step.hidden, self.model.compute_logits, self._token_text)
+            del step
+        else:
+            logits = self.runner.execute(inputs, self._layer_hook(inputs))
         t2 = time.perf_counter()
         sampling = [s.request for s in inputs.order if s.samples]
         batch = SamplingBatch.build(
@@ -324,6 +336,13 @@ class LLMEngine:
                 del self._parents[parent.request_id]
         self.step_times.add(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return outputs
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)  # bounded by the vocabulary
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
 
     def _layer_hook(self, inputs) -> LayerHook | None:
         """The model's per-layer callback: the user's ``layer_hook`` and, when the connector wants
@@ -436,6 +455,7 @@ class LLMEngine:
             outs,
             finished=final,
             metrics=parent.children[0].metrics,
+            prompt_logprobs=parent.children[0].prompt_logprobs,
         )
 
     @torch.inference_mode()

@@ -8,10 +8,11 @@ then reads them, converting to the requested dtype and device.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -82,6 +83,13 @@ def load_model(
     show_progress: bool = True,
 ) -> LoadedModel:
     """Load ``model`` ("default", a .gguf file, or a directory with config.json or one .gguf)."""
+    path, checkpoint = open_checkpoint(model)
+    weights = read_weights(checkpoint, path, dtype, torch.device(device), show_progress)
+    return LoadedModel(checkpoint.config, weights, checkpoint.tokenizer, path)
+
+
+def open_checkpoint(model: str) -> tuple[str, Checkpoint]:
+    """The file or directory ``model`` names, and its config, tokenizer and (unread) tensors."""
     # Imported here: both readers import TensorSource and Checkpoint from this module.
     from engine.gguf_loader import load_gguf_checkpoint
     from engine.hf_loader import load_hf_checkpoint
@@ -95,20 +103,25 @@ def load_model(
                 + (f" and {len(ggufs)} .gguf files; name one" if ggufs else " and no .gguf file")
             )
         path = os.path.join(path, ggufs[0])
-    try:
+    with damaged_file_errors(path):
         if os.path.isdir(path):
-            checkpoint = load_hf_checkpoint(path)
-        else:
-            checkpoint = load_gguf_checkpoint(path)
-        weights = read_weights(checkpoint, path, dtype, torch.device(device), show_progress)
-    except Exception as exc:  # a damaged file: parsers and tokenizers raise many types
+            return path, load_hf_checkpoint(path)
+        return path, load_gguf_checkpoint(path)
+
+
+@contextlib.contextmanager
+def damaged_file_errors(path: str) -> Iterator[None]:
+    """Parsers and tokenizers of a damaged or truncated file raise many types (struct.error,
+    IndexError, UnicodeDecodeError, ...): turn each into a ValueError naming the file."""
+    try:
+        yield
+    except Exception as exc:
         if isinstance(exc, ValueError | OSError) and path in str(exc):
             raise  # clear already: it names the file
         raise ValueError(
             f"{path}: cannot load the model (a damaged or truncated file?): "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    return LoadedModel(checkpoint.config, weights, checkpoint.tokenizer, path)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -138,6 +151,17 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def read_weights(
+    checkpoint: Checkpoint,
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    show_progress: bool,
+) -> dict[str, torch.Tensor]:
+    with damaged_file_errors(path):
+        return _read_weights(checkpoint, path, dtype, device, show_progress)
+
+
+def _read_weights(
     checkpoint: Checkpoint,
     path: str,
     dtype: torch.dtype,

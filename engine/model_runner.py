@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -13,6 +14,11 @@ from engine.kvcache.paged_cache import PagedKVCache
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.llama import LayerHook, LlamaForCausalLM
 from engine.scheduler import ScheduledRequest
+
+
+class StepResult(NamedTuple):
+    logits: torch.Tensor  # float32 [S, V]
+    hidden: torch.Tensor  # [T, hidden]
 
 
 class StepInputs:
@@ -133,10 +139,17 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Runs the forward. Returns float32 logits of the sampling rows [S, V], or of every row
         when ``all_logits``."""
+        return self.execute_with_hidden(inputs, layer_hook, all_logits).logits
+
+    @torch.inference_mode()
+    def execute_with_hidden(
+        self, inputs: StepInputs, layer_hook: LayerHook | None = None, all_logits: bool = False
+    ) -> StepResult:
+        """``execute``, also handing back the final hidden states of every row [T, hidden]
+        (prompt logprobs turn the rows of prefill chunks into logits)."""
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta, layer_hook)
-        if not all_logits:
-            hidden = hidden[inputs.sample_indices]
-        return self.model.compute_logits(hidden).float()
+        rows = hidden if all_logits else hidden[inputs.sample_indices]
+        return StepResult(self.model.compute_logits(rows).float(), hidden)
 
 
 def keep_freed_memory() -> None:

@@ -14,6 +14,20 @@ class TokenLogprob:
 
 
 @dataclass
+class Logprob:
+    """One entry of a prompt position's logprobs (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int  # 1 + the number of vocabulary tokens with a higher logprob
+    decoded_token: str | None = None
+
+
+# Per prompt token: None for the first (nothing predicts it), else token id -> Logprob for the
+# prompt's own token and the top-k alternatives.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence. ``text``/``token_ids`` are cumulative; ``new_*`` hold this step's
     delta."""
@@ -55,3 +69,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs

@@ -10,7 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestMetrics, TokenLogprob
+from engine.outputs import PromptLogprobs, RequestMetrics, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -50,6 +50,11 @@ class Request:
         self.skip_kv_connector = False  # a load from the connector failed: recompute instead
         self.status = RequestStatus.WAITING
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # Filled by position as prefill chunks run (a recompute after preemption rewrites the
+        # same values); None when not asked for. Such a request skips the prefix cache.
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None
+        )
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -31,6 +31,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the chosen token's
+    # vLLM's prompt_logprobs: for every prompt token after the first, its logprob and rank, and
+    # this many top alternatives (RequestOutput.prompt_logprobs). Such a request bypasses the
+    # prefix cache: a cached prefix was never run through the model here, so it has no logits.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -107,6 +111,13 @@ class SamplingParams:
             "logprobs",
             "None or in [0, 20]",
             self.logprobs,
+        )
+        check(
+            self.prompt_logprobs is None
+            or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+            "prompt_logprobs",
+            "None or in [0, 20]",
+            self.prompt_logprobs,
         )
 
     @property

@@ -140,9 +140,11 @@ class Scheduler:
                 break
             req = self.waiting[0]
             fresh = req.num_computed_tokens == 0 and req.request_id not in self.kv.block_tables
-            hit = self.kv.find_prefix(req) if fresh else None
+            # Prompt logprobs need every prompt position's logits: no cached prefix.
+            reuse = fresh and req.prompt_logprobs is None
+            hit = self.kv.find_prefix(req) if reuse else None
             cached = hit.num_tokens if hit else 0
-            if fresh and self.connector is not None and not req.skip_kv_connector:
+            if reuse and self.connector is not None and not req.skip_kv_connector:
                 hashes = self.kv.block_hashes(req)
                 external = self.connector.lookup(req, hashes, cached)
                 if external > 0:

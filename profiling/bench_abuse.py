@@ -254,6 +254,8 @@ def _attack_process(name: str, target: str, args: dict, queue) -> None:
     """The attack in a child process: its own GIL, so that its work (thousands of sockets,
     15 MB bodies) does not delay the probe's measurements in this process."""
     phase = Phase(name)
+    if args.get("nice"):
+        os.nice(args["nice"])
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -282,6 +284,7 @@ async def run_phase(name, target, probe, args) -> Phase:
             "slow_connections": args.slow_connections,
             "flood": args.flood,
             "rpc_streams": args.rpc_streams,
+            "nice": args.attacker_nice,
         }
         proc = ctx.Process(target=_attack_process, args=(name, target, params, queue))
         proc.start()
@@ -343,6 +346,13 @@ def main() -> None:
     p.add_argument("--slow-connections", type=int, default=2047)
     p.add_argument("--flood", type=int, default=2300, help="concurrent requests per wave")
     p.add_argument("--rpc-streams", type=int, default=30)
+    p.add_argument(
+        "--attacker-nice",
+        type=int,
+        default=0,
+        help="run the attack process at this nice level (a remote attacker's CPU is not the "
+        "server's; on a 2-core box the attacker's own work otherwise competes with the server)",
+    )
     p.add_argument(
         "--engine-args",
         default="--model default --max-model-len 2048",

@@ -5,26 +5,15 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import functools  # noqa: E402
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 
-import pytest  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _reuse_loaded_models():
-    """Engines built in one test session share loaded weights (loading copies them into the model,
-    never mutates them), so tests can build engines with different cache/scheduler settings
-    without re-reading and dequantizing the file each time."""
-    import engine.llm_engine as llm_engine
-
-    original = llm_engine.load_model
-
-    @functools.lru_cache(maxsize=4)
-    def cached(model, dtype=None, device="cpu", show_progress=True):
-        return original(model, dtype=dtype, device=device, show_progress=False)
-
-    llm_engine.load_model = lambda model, dtype=None, device="cpu", show_progress=True: cached(
-        model, dtype, str(device)
-    )
-    yield
-    llm_engine.load_model = original
+# Engines built in one test session share dequantized weights through a weight cache of the
+# session's own (engine/weight_cache.py): the first engine of a model and dtype writes it, later
+# ones map it, and the suite never reads or writes ~/.cache. Subprocesses (real servers and
+# workers) inherit it.
+if "ENGINE_WEIGHT_CACHE_DIR" not in os.environ:
+    _weights = tempfile.mkdtemp(prefix="engine-test-weights-")
+    os.environ["ENGINE_WEIGHT_CACHE_DIR"] = _weights
+    atexit.register(shutil.rmtree, _weights, True)

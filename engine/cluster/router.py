@@ -209,6 +209,8 @@ class Router:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
+        if params.prompt_logprobs is not None:  # the workers do not send them back yet
+            raise ValueError("prompt_logprobs is not supported by the cluster router")
         rid = request_id or f"cluster-{next(self._ids)}"
         if not self._accepting:
             raise EngineShuttingDownError("the router is shutting down")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from engine.config import CacheConfig, ModelConfig
@@ -46,13 +49,16 @@ class PagedKVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv = torch.zeros(
-            model.num_layers,
-            2,
-            num_blocks,
-            block_size,
-            model.num_kv_heads,
-            model.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv = lazy_zeros(shape, dtype, device)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that cost nothing until touched. torch.zeros writes every page at once (a 4 GiB CPU
+    cache took seconds of a server's start); numpy's zeros is calloc, whose large blocks are fresh
+    pages that the kernel zeroes on first touch, so only the blocks in use are ever paid for.
+    (Zeros, not empty: attention reads whole blocks, and garbage could hold NaNs.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

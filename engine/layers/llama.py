@@ -153,6 +153,29 @@ class LlamaForCausalLM(torch.nn.Module):
         exact = torch.bmm(rows, hidden.float()[:, :, None])[..., 0]
         return logits.scatter_(1, idx, exact)
 
+    def runtime_weights(self) -> dict[str, torch.Tensor]:
+        """The weights as this module holds them (fused, in its dtype), by parameter name; a tied
+        LM head appears once, as embed_tokens. What the weight cache stores."""
+        return {name: p.data for name, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def adopt_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take ``runtime_weights()``-shaped tensors as this module's own, without copying on
+        the same device (memory-mapped ones stay mapped). A tied LM head follows the embedding:
+        it is the same Parameter."""
+        params = dict(self.named_parameters())
+        if set(weights) != set(params):
+            odd = sorted(set(weights) ^ set(params))
+            raise ValueError(f"adopt_weights: names differ from the model's, e.g. {odd[0]!r}")
+        for name, p in params.items():
+            t = weights[name]
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise ValueError(
+                    f"adopt_weights: {name} is {t.dtype} {list(t.shape)}, "
+                    f"expected {p.dtype} {list(p.shape)}"
+                )
+            p.data = t.to(p.device)
+
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "") -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. Missing or misshapen

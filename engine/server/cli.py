@@ -21,6 +21,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="torch.compile the layers' dense parts (default off: see EngineConfig.compile)",
     )
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--weight-cache",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="map a GGUF model's dequantized weights from ~/.cache/engine/weights (or "
+        "$ENGINE_WEIGHT_CACHE_DIR), writing them there on the first start (default on; "
+        "ENGINE_WEIGHT_CACHE=0 also turns it off)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--kv-cache-memory-gb",
@@ -58,6 +66,7 @@ def engine_config_from_args(args: argparse.Namespace):
         quantization=args.quantization,
         compile=args.compile,
         max_model_len=args.max_model_len,
+        weight_cache=args.weight_cache,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_gb=args.kv_cache_memory_gb,

@@ -38,6 +38,13 @@ def add_server_commands(subparsers, engine_args_fn) -> None:
         help="open connections at most (half of them per client address); beyond, stalled "
         "readers are closed, then new connections get 429",
     )
+    s.add_argument(
+        "--max-pending-per-client",
+        type=int,
+        default=None,
+        help="generation requests one client address may have in flight; beyond, 429 "
+        f"(default: {DEFAULT_PER_CLIENT}, or --max-pending if lower; 0: no per-client cap)",
+    )
     _common(s)
     s.set_defaults(func=cmd_serve)
 
@@ -78,6 +85,11 @@ def _make_engine(args: argparse.Namespace):
     return AsyncLLM(config=engine_config_from_args(args), max_pending=args.max_pending)
 
 
+# One client's share of the admission queue: small enough that a flood from one address keeps
+# the engine's steps small (profiling/bench_abuse.py flood), large enough for a batch client.
+DEFAULT_PER_CLIENT = 32
+
+
 def _check_limits(args: argparse.Namespace) -> None:
     """Overload must meet the documented 429 of the admission queue before any other limit:
     requests in flight stay below the connection cap (HTTP) or the calls cap (RPC)."""
@@ -92,6 +104,11 @@ def _check_limits(args: argparse.Namespace) -> None:
         args.max_pending = cap // 2 if args.command == "serve" else cap
     elif args.max_pending > cap:
         raise ValueError(f"--max-pending ({args.max_pending}) must be <= {name} ({cap})")
+    per_client = getattr(args, "max_pending_per_client", 0)
+    if per_client is None:
+        args.max_pending_per_client = min(DEFAULT_PER_CLIENT, args.max_pending)
+    elif per_client < 0:
+        raise ValueError(f"--max-pending-per-client must be >= 0, got {per_client}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -139,6 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock=sock,
         enable_docs=not args.disable_fastapi_docs,
         model_root=args.model,
+        max_pending_per_client=args.max_pending_per_client or None,
     )
 
 

@@ -30,7 +30,8 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 KNOWN_PARAMS = frozenset(
     (
         "prompt n temperature top_p top_k min_p repetition_penalty presence_penalty "
-        "frequency_penalty seed max_tokens min_tokens stop stop_token_ids logprobs request_id "
+        "frequency_penalty seed max_tokens min_tokens stop stop_token_ids logprobs prompt_logprobs "
+        "request_id "
         "messages model params timeout cache_salt tokens"
     ).split()
 )

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.async_llm import EngineShuttingDownError
 from engine.scheduler import QueueFullError
 from engine.server import openapi
+from engine.server.client_cap import ClientCap
 from engine.server.errors import APIError, error_body, to_api_error
 from engine.server.http_limits import HTTPLimits, protocol_class
 from engine.server.offload import Offloader
@@ -62,11 +63,14 @@ def build_app(
     shutdown_engine: bool = True,
     enable_docs: bool = True,
     model_root: str | None = None,
+    max_pending_per_client: int | None = None,
 ) -> FastAPI:
     """The ASGI app. ``llm`` is any EngineClient (engine_client.py); ``shutdown_engine``: shut it
     down when the app stops (off when the engine outlives the app, as in tests).
     ``enable_docs``: serve /openapi.json, /docs and /redoc (vLLM does by default).
-    ``model_root``: what /v1/models shows as ``root`` (vLLM: the --model value as given)."""
+    ``model_root``: what /v1/models shows as ``root`` (vLLM: the --model value as given).
+    ``max_pending_per_client``: generation requests one client address may have in flight
+    (client_cap.py); None: no per-client cap."""
     root = model_root or served_model_names[0]
     serving = OpenAIServing(llm, served_model_names)
     offload = Offloader()
@@ -93,6 +97,8 @@ def build_app(
     app.state.rejections = rejections
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    if max_pending_per_client:  # outermost: the cheapest answer for a client over its cap
+        app.add_middleware(ClientCap, cap=max_pending_per_client, on_reject=rejections.add)
 
     def fail(err: APIError) -> JSONResponse:
         if err.status == 429:
@@ -479,6 +485,7 @@ def serve_http(
     sock: socket.socket | None = None,
     enable_docs: bool = True,
     model_root: str | None = None,
+    max_pending_per_client: int | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread.
     ``sock``: a socket bound already (``bind_socket``), so that a port in use is found before
@@ -489,6 +496,7 @@ def serve_http(
         api_key,
         enable_docs=enable_docs,
         model_root=model_root,
+        max_pending_per_client=max_pending_per_client,
     )
     config = uvicorn_config(
         app,

@@ -32,13 +32,12 @@ class _Strict(BaseModel):
 _UNSUPPORTED = (
     "tools functions function_call tool_choice parallel_tool_calls response_format "
     "guided_json guided_choice guided_regex guided_grammar guided_decoding_backend "
-    "guided_whitespace_pattern structured_outputs grammar json_schema prompt_logprobs"
+    "guided_whitespace_pattern structured_outputs grammar json_schema"
 ).split()
 _NO_OPS: dict[str, tuple] = {
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # about tools, and there are none
     "response_format": ({"type": "text"},),
 }
 
@@ -96,12 +95,17 @@ class _SamplingRequest(_Strict):
     structured_outputs: SkipJsonSchema[Any] = None
     grammar: SkipJsonSchema[Any] = None
     json_schema: SkipJsonSchema[Any] = None
-    prompt_logprobs: SkipJsonSchema[Any] = None
+    # vLLM's extension: logprobs of the prompt's tokens, and this many alternatives per token.
+    prompt_logprobs: int | None = None
 
     def _check_unsupported(self) -> None:
         reject_unsupported(self, _UNSUPPORTED)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported by this server", "logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(
+                400, "prompt_logprobs is not available when stream is true", "prompt_logprobs"
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(
                 400, f"best_of must equal n ({self.n}) when given, got {self.best_of}", "best_of"
@@ -133,6 +137,7 @@ class _SamplingRequest(_Strict):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             **given,

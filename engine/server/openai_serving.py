@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, to_api_error
 from engine.server.offload import check_prompt_chars
@@ -51,6 +51,7 @@ class Job:
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs in the response
     echo: list[str] | None = None  # completions with echo: the prompt texts
+    prompt_logprobs: bool = False  # vLLM's: per choice (completions) or per response (chat)
     cache_salt: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -101,6 +102,7 @@ class OpenAIServing:
             include_usage=req.include_usage,
             top_logprobs=req.logprobs,
             echo=echo,
+            prompt_logprobs=req.prompt_logprobs is not None,
             cache_salt=req.cache_salt,
         )
 
@@ -122,6 +124,7 @@ class OpenAIServing:
             params=req.sampling_params(max_tokens, logprobs),
             include_usage=req.include_usage,
             top_logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs is not None,
             cache_salt=req.cache_salt,
         )
 
@@ -166,9 +169,12 @@ class OpenAIServing:
         choices = []
         for i in sorted(finals):
             for c in finals[i].outputs:
-                choices.append(self._choice(job, i, c))
+                choice = self._choice(job, i, c)
+                if job.prompt_logprobs and not job.chat:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(finals[i].prompt_logprobs)
+                choices.append(choice)
         choices.sort(key=lambda c: c["index"])
-        return {
+        body = {
             "id": job.id,
             "object": "chat.completion" if job.chat else "text_completion",
             "created": job.created,
@@ -176,6 +182,9 @@ class OpenAIServing:
             "choices": choices,
             "usage": self._usage(job, finals),
         }
+        if job.prompt_logprobs and job.chat:  # vLLM puts the chat's on the response
+            body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)
+        return body
 
     def _choice(self, job: Job, prompt_index: int, c: CompletionOutput) -> dict:
         index = prompt_index * job.params.n + c.index
@@ -323,6 +332,26 @@ class OpenAIServing:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+
+def prompt_logprobs_json(entries: PromptLogprobs | None) -> list | None:
+    """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's token and the top alternatives."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            str(t): {
+                "logprob": max(lp.logprob, MIN_LOGPROB),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for t, lp in e.items()
+        }
+        for e in entries
+    ]
 
 
 class TextCursor:

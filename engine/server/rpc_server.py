@@ -83,8 +83,11 @@ def params_from_wire(raw) -> SamplingParams:
     unknown = sorted(str(k) for k in raw if k not in _PARAM_FIELDS)
     if unknown:
         raise ValueError(f"params has unknown fields: {', '.join(unknown)}")
+    if raw.get("prompt_logprobs") is not None:
+        # The RPC result has no place for them yet; refused rather than dropped.
+        raise ValueError("prompt_logprobs is not supported over RPC (the HTTP server has it)")
     for name, value in raw.items():
-        if value is None and name in ("seed", "logprobs"):
+        if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
             continue
         if name in _BOOL_FIELDS and not isinstance(value, bool):
             raise ValueError(f"{name} must be a boolean, got {value!r} ({type(value).__name__})")

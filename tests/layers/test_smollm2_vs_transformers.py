@@ -102,3 +102,36 @@ def test_greedy_tokens_match_transformers_alone_and_batched(engine, hf_model):
     batched = engine_greedy(engine, prompts, 32)
     assert alone == ref
     assert batched == ref
+
+
+def test_prompt_logprobs_match_transformers(engine, hf_model):
+    """SamplingParams.prompt_logprobs through the scheduler: each prompt token's logprob, rank
+    and top-k against log_softmax of transformers' float32 logits at the position before it."""
+    ids = prompt_64(engine)[:40]
+    k = 3
+    rid = engine.add_request(ids, SamplingParams(max_tokens=1, prompt_logprobs=k))
+    final = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                final = o
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    plp = final.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for p in range(1, len(ids)):
+        row, token = ref[p - 1], ids[p]
+        entry = plp[p]
+        assert abs(entry[token].logprob - float(row[token])) <= 1e-3, p
+        # The rank counts the tokens with a higher logprob (near-ties either way).
+        lo, hi = (int((row > row[token] + d).sum()) + 1 for d in (1e-4, -1e-4))
+        assert lo <= entry[token].rank <= hi, p
+        top = row.topk(k)
+        ours_top = sorted((v for t, v in entry.items() if v.rank <= k), key=lambda v: v.rank)
+        assert len(ours_top) == k
+        for want, got in zip(top.values.tolist(), ours_top):
+            assert abs(got.logprob - want) <= 1e-3, p
+        assert set(top.indices.tolist()) <= set(entry)
+        text = engine.tokenizer.decode([token], skip_special_tokens=False)
+        assert entry[token].decoded_token == text
+    engine.check_integrity()

@@ -44,10 +44,10 @@ class HTTPServer:
         self.sock.close()
 
 
-def http_server(llm, api_key: str | None = None, limits=None) -> HTTPServer:
+def http_server(llm, api_key: str | None = None, limits=None, **app_kwargs) -> HTTPServer:
     from engine.server.http_server import build_app
 
-    app = build_app(llm, [MODEL], api_key=api_key, shutdown_engine=False)
+    app = build_app(llm, [MODEL], api_key=api_key, shutdown_engine=False, **app_kwargs)
     return HTTPServer(app, limits)
 
 

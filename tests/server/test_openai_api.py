@@ -284,7 +284,11 @@ _USER = [{"role": "user", "content": "Hi"}]
         ("chat", {"structured_outputs": {"json": {}}}, "structured_outputs"),
         ("chat", {"grammar": "root ::= x"}, "grammar"),
         ("chat", {"json_schema": {}}, "json_schema"),
-        ("chat", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ("chat", {"parallel_tool_calls": True}, "parallel_tool_calls"),
+        ("chat", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("completions", {"prompt_logprobs": "1"}, "prompt_logprobs"),
         ("chat", {"echo": True}, "echo"),
         ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
         ("chat", {"continue_final_message": True}, "continue_final_message"),
@@ -323,8 +327,42 @@ def test_unsupported_options_are_400_naming_them(http, path, extra, param):
 
 def test_no_op_values_of_unsupported_options_are_accepted(http):
     body = {"messages": _USER, "max_tokens": 2, "tools": [], "tool_choice": "none"}
-    body |= {"response_format": {"type": "text"}, "parallel_tool_calls": False}
+    body |= {"response_format": {"type": "text"}, "parallel_tool_calls": None}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def _check_prompt_logprobs(plp, num_tokens: int, k: int) -> None:
+    """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank,
+    decoded_token}} holding the prompt's token and the top k."""
+    assert len(plp) == num_tokens and plp[0] is None
+    for entry in plp[1:]:
+        assert k <= len(entry) <= k + 1
+        ranks = sorted(v["rank"] for v in entry.values())
+        assert ranks[:k] == list(range(1, k + 1))
+        for token_id, v in entry.items():
+            assert token_id.isdigit() and v["logprob"] <= 0.0
+            assert isinstance(v["decoded_token"], str)
+
+
+def test_prompt_logprobs_completions_per_choice(http):
+    body = {"prompt": ["The capital of France is", "One, two,"], "max_tokens": 2}
+    r = http.post("/v1/completions", json=body | {"prompt_logprobs": 2, "n": 2, "seed": 1})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert len(out["choices"]) == 4
+    lengths = [http.post("/tokenize", json={"prompt": p}).json()["count"] for p in body["prompt"]]
+    for choice in out["choices"]:
+        _check_prompt_logprobs(choice["prompt_logprobs"], lengths[choice["index"] // 2], 2)
+    assert "prompt_logprobs" not in http.post("/v1/completions", json=body).json()["choices"][0]
+
+
+def test_prompt_logprobs_chat_on_the_response(http):
+    body = {"messages": _USER, "max_tokens": 2, "prompt_logprobs": 0}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    _check_prompt_logprobs(out["prompt_logprobs"], out["usage"]["prompt_tokens"], 0)
+    assert "prompt_logprobs" not in out["choices"][0]
 
 
 def test_logprob_bytes_rebuild_multibyte_text(llm):
