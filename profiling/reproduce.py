@@ -540,8 +540,9 @@ def write_doc(path: Path, pol: dict, rej: dict, col: dict, hit: dict, r: Runner,
 
     add("## Not reproduced here\n")
     add(
-        "- The real-cluster benchmark (`profiling/bench_cluster.py`, SmolLM2 processes on this "
-        "CPU) waits for the router and workers of the disaggregated-cluster issue.\n"
+        "- The policies on real processes are measured by `profiling/bench_cluster.py --trace` "
+        "(SmolLM2 workers on this CPU, see the README's Conductor section), not by this "
+        "command.\n"
         "- Chunked pipeline parallelism, and prefill batching on one instance.\n"
     )
 
