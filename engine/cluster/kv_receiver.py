@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 import warnings
@@ -37,13 +38,14 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.process_id import ProcessId, identify, is_gone
 from engine.cluster.transfer import KVLayout, StagingArena, checksum, scatter_tokens
 from engine.kvcache.connector import KVConnector, LoadDone
 from engine.security import curve
 
 log = logging.getLogger(__name__)
 
-QUARANTINE_S = 60.0  # a released shared-memory area waits this long for its sender to stop
+QUARANTINE_S = 60.0  # a released area waits at most this long for a live sender to stop
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Transfer:
     freed: bool = False
     sender_done: bool = False  # KVDone or KVAbort came: the sender writes no more
     released_at: float | None = None  # released before the sender was done (shared memory)
+    writer: ProcessId | None = None  # shm: the prefill process that may write into the area
+    may_write: bool = True  # False: no process can write into the area (gone, or off-host)
 
     @property
     def ok(self) -> bool:
@@ -81,10 +85,15 @@ class KVReceiver(KVConnector):
         max_events: int = 4096,
         remote_writes: bool | None = None,
         inner: KVConnector | None = None,
+        local_writers: bool | None = None,
     ) -> None:
         """remote_writes: senders write into the arena themselves (shared memory, Mooncake), so
         an area released before its sender is done is quarantined. Default: the arena is shared.
-        inner: the worker's KV pool (saves, and loads of requests without a transfer)."""
+        local_writers: those senders are processes of this host (shared memory), so the
+        quarantine ends as soon as the sender's process is gone. Default: the arena is shared.
+        Over Mooncake a peer's NIC writes: the quarantine runs its course (KVDone, KVAbort or
+        QUARANTINE_S). inner: the worker's KV pool (saves, and loads of requests without a
+        transfer)."""
         self.kv = kv_cache
         self.inner = inner
         self.per_layer = inner is not None and inner.per_layer
@@ -92,6 +101,8 @@ class KVReceiver(KVConnector):
         self.block_size = block_size
         self.arena = arena
         self.remote_writes = bool(arena.path) if remote_writes is None else remote_writes
+        self.local_writers = bool(arena.path) if local_writers is None else local_writers
+        self.host = socket.gethostname()  # as workers register theirs with the router
         layers, _, blocks, bs, heads, dim = kv_cache.shape
         self.num_layers = layers
         self.token_bytes = heads * dim * kv_cache.element_size()
@@ -115,8 +126,17 @@ class KVReceiver(KVConnector):
 
     # -- the worker's calls -----------------------------------------------------------------
 
-    def expect(self, request_id: str, num_tokens: int, deadline_s: float) -> Transfer:
-        """Reserve staging for a request's prompt KV; ValueError when the arena is full."""
+    def expect(
+        self,
+        request_id: str,
+        num_tokens: int,
+        deadline_s: float,
+        sender_pid: int = 0,
+        sender_host: str = "",
+    ) -> Transfer:
+        """Reserve staging for a request's prompt KV; MemoryError when the arena is full.
+        sender_pid, sender_host: the prefill worker the router placed the request on (0: not
+        told, then a released area is quarantined until the sender is done or QUARANTINE_S)."""
         layout = KVLayout(self.num_layers, num_tokens, self.token_bytes)
         with self._lock:
             if request_id in self._transfers:
@@ -129,6 +149,14 @@ class KVReceiver(KVConnector):
                 )
             t = Transfer(request_id, offset, layout, time.monotonic() + deadline_s)
             t.pieces = [[] for _ in range(self.num_layers)]
+            if self.local_writers and sender_pid > 0:
+                if sender_host and sender_host != self.host:
+                    t.may_write = False  # it cannot map this host's memory: it sends frames
+                else:
+                    # Identified while the router still counts it alive, so a pid reused later
+                    # is told apart; gone already, it will never write (no PrefillRequest).
+                    t.writer = identify(sender_pid)
+                    t.may_write = t.writer is not None
             self._transfers[request_id] = t
             self.counters["transfers"] += 1
             return t
@@ -164,18 +192,33 @@ class KVReceiver(KVConnector):
         if not t.finished:
             t.finished = True
             t.error = t.error or "released"
-        if self.remote_writes and not t.sender_done:
+        if self._may_still_write(t):
             t.released_at = time.monotonic()
         else:
             self._free(t)
 
+    def _may_still_write(self, t: Transfer) -> bool:
+        """Lock held: whether a sender might still write into t's area, so it cannot be reused."""
+        if not self.remote_writes or t.sender_done or not t.may_write:
+            return False
+        if t.inline:
+            return False  # TCP: this side copies the frames; late ones are dropped
+        if t.writer is None:
+            return True  # not told who sends (Mooncake, or an older router): wait
+        if is_gone(t.writer):
+            t.may_write = False  # its memory maps died with it
+            return False
+        return True
+
     def expire(self, now: float) -> list[str]:
-        """Transfers past their deadline without KVDone: failed (the worker applies the policy)."""
+        """Transfers past their deadline without KVDone: failed (the worker applies the policy).
+        Quarantined areas are freed once their sender's process is gone, or after QUARANTINE_S."""
         out = []
         with self._lock:
             for t in list(self._transfers.values()):
-                if t.released_at is not None and now > t.released_at + QUARANTINE_S:
-                    self._free(t)
+                if t.released_at is not None:
+                    if now > t.released_at + QUARANTINE_S or not self._may_still_write(t):
+                        self._free(t)
                 elif not t.finished and now > t.deadline:
                     self._end(
                         t,

@@ -155,6 +155,10 @@ class DecodeRequest(Message):
     prompt_token_ids: list[int]
     params: dict
     deadline_s: float  # seconds the transfer may take before the failure policy applies
+    # The prefill worker placed with it (its Register's pid and host): over shared memory the
+    # decode worker frees the request's staging area as soon as that process is gone.
+    sender_pid: int = 0
+    sender_host: str = ""
 
 
 @dataclass(frozen=True)

@@ -510,8 +510,14 @@ class Router:
         self._tell("bind", req.wire_id)
         req.ready = None
         req.copy_wait = self._start_copies(req)
+        p = self.workers[req.prefill]
         msg = m.DecodeRequest(
-            req.wire_id, req.ids, params_to_wire(req.params), self.cfg.transfer_deadline_s
+            req.wire_id,
+            req.ids,
+            params_to_wire(req.params),
+            self.cfg.transfer_deadline_s,
+            sender_pid=p.pid,
+            sender_host=p.host,
         )
         if not self._send(self.workers[req.decode], msg):
             self._retry(req, f"decode worker {req.decode} is unreachable")

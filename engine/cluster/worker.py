@@ -137,6 +137,7 @@ class Worker:
                 bind=f"tcp://{cfg.kv_host}:0",
                 wake=self._wake,
                 remote_writes=cfg.transport in ("shm", "mooncake"),
+                local_writers=cfg.transport == "shm",  # Mooncake: a peer's NIC writes
                 inner=self.engine.connector,  # its KV pool: saves what it generates
             )
             if self.mooncake is not None:

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_llm import EngineShuttingDownError
+from engine.async_llm import EngineDeadError, EngineShuttingDownError
 from engine.scheduler import QueueFullError
 from engine.server import openapi
 from engine.server.client_cap import ClientCap
@@ -143,6 +143,12 @@ def build_app(
             if result is None:
                 return Response(status_code=499)
             return JSONResponse(result)
+        except EngineDeadError as exc:
+            # The engine or the cluster behind the router cannot serve (a worker died, the
+            # staging area is full): a 503 the client retries, worth one line, not a traceback
+            # (an exception left to the catch-all handler is also re-raised to the server's log).
+            logger.warning("%s: 503: %s", request.url.path, exc)
+            raise to_api_error(exc, aliases) from exc
         except (ValueError, TypeError, QueueFullError, EngineShuttingDownError) as exc:
             raise to_api_error(exc, aliases) from exc
 
