@@ -213,3 +213,15 @@ def test_connection_rate_per_client_is_bounded(llm):
         time.sleep(1.0)  # the bucket refills
         metrics = httpx.get(s.url + "/metrics").text
         assert 'reason="connection_rate"} 1.0' in metrics
+
+
+def test_connections_per_client_follow_the_request_cap():
+    """`engine serve`: one address holds twice its request cap in connections (at least 64, at
+    most half of all), so a reconnecting slowloris client is reset early instead of parsed."""
+    from engine.server.commands import connections_per_client
+
+    assert connections_per_client(2048, 32) == 64
+    assert connections_per_client(2048, 100) == 200
+    assert connections_per_client(2048, 4096) == 1024
+    assert connections_per_client(2048, 0) == 1024  # the request cap is off
+    assert connections_per_client(100, 32) == 50
