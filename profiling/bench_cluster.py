@@ -471,7 +471,6 @@ def main() -> None:
     ap.add_argument("--transfer-tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--overlap-sizes", default="512,1024,2048,4096")
-    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (overlap)")
     ap.add_argument("--repeats", type=int, default=3, help="overlap and TTFT: median of these")
     ap.add_argument("--ttft-sizes", default="512,2048")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the prefill")

@@ -261,7 +261,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tbt-slo", type=float, default=0.5)
     p.add_argument("--drain", type=float, default=90.0, help="s after the last arrival")
     p.add_argument("--kv-gb", type=float, default=1.0, help="KV cache of each worker (GB)")
-    p.add_argument("--chunk", type=int, default=512, help="max batched tokens of a worker")
+    p.add_argument(
+        "--chunk", type=int, default=512, help="max batched tokens of a worker (prefill chunk)"
+    )
     p.add_argument("--verbose", action="store_true", help="the Conductor's decisions per run")
 
 
