@@ -38,9 +38,9 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
-from engine.cluster.process_id import ProcessId, identify, is_gone
 from engine.cluster.transfer import KVLayout, StagingArena, checksum, scatter_tokens
 from engine.kvcache.connector import KVConnector, LoadDone
+from engine.process_id import ProcessId, identify, is_gone
 from engine.security import curve
 
 log = logging.getLogger(__name__)

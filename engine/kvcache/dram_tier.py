@@ -28,6 +28,7 @@ from multiprocessing import shared_memory
 from engine.kvcache.eviction import make_policy
 from engine.kvcache.namespace import KVNamespace
 from engine.kvcache.tier import PutResult, Tier
+from engine.process_id import identify
 
 SHM_PREFIX = "engine-kv-"
 _SHM_DIR = "/dev/shm"
@@ -277,7 +278,7 @@ def remove_orphan_arenas(shm_dir: str = _SHM_DIR) -> list[str]:
     for path in glob.glob(os.path.join(shm_dir, f"{SHM_PREFIX}*")):
         name = os.path.basename(path)
         pid_text = name[len(SHM_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
+        if not pid_text.isdigit() or identify(int(pid_text)) is not None:
             continue
         try:
             os.unlink(path)
@@ -287,13 +288,3 @@ def remove_orphan_arenas(shm_dir: str = _SHM_DIR) -> list[str]:
     if removed:
         logger.warning("removed %d DRAM arena(s) left by dead processes: %s", len(removed), removed)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True

@@ -19,8 +19,8 @@ import zmq
 
 from engine.cluster import messages as m
 from engine.cluster.kv_receiver import QUARANTINE_S, KVReceiver
-from engine.cluster.process_id import identify, is_gone
 from engine.cluster.transfer import StagingArena, checksum
+from engine.process_id import identify, is_gone
 
 L, NB, BS, H, D = 2, 4, 4, 2, 4
 T = 8  # tokens per transfer

@@ -1,4 +1,4 @@
-"""Which process a pid names, so a decode worker can tell when a prefill worker of its host that
+"""Which process a pid names: a decode worker tells when a prefill worker of its host that
 could write into its shared staging area is gone for good.
 
 A pid alone is not enough: once a process exits its pid may be given to a new one, so the
