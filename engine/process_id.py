@@ -10,8 +10,12 @@ falls back to ``os.kill(pid, 0)`` (pid reuse is then not detected).
 
 from __future__ import annotations
 
+import glob
+import logging
 import os
 from typing import NamedTuple
+
+logger = logging.getLogger(__name__)
 
 
 class ProcessId(NamedTuple):
@@ -69,3 +73,23 @@ def is_gone(proc: ProcessId) -> bool:
     if now is None:
         return True
     return proc.start_time != -1 and now.start_time != proc.start_time
+
+
+def remove_orphan_files(prefix: str, directory: str = "/dev/shm") -> list[str]:
+    """Unlink the files ``<directory>/<prefix><pid>-...`` whose owning process is gone (our
+    shared-memory segments carry their owner's pid: a SIGKILLed owner cannot unlink its own, and
+    each may hold gigabytes of the host's shared memory). Returns the names removed."""
+    removed = []
+    for path in glob.glob(os.path.join(directory, f"{glob.escape(prefix)}*")):
+        name = os.path.basename(path)
+        pid_text = name[len(prefix) :].split("-", 1)[0]
+        if not pid_text.isdigit() or identify(int(pid_text)) is not None:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+    if removed:
+        logger.warning("removed %d segment(s) left by dead processes: %s", len(removed), removed)
+    return removed

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import xxhash
 
+from engine.process_id import remove_orphan_files
 from engine.security.shm_names import check_shm_path
 
 ARENA_PREFIX = "engine-kvstage-"  # the pool's arenas are engine-kv-<hex>
@@ -67,6 +68,7 @@ class StagingArena:
         self.nbytes = nbytes
         self.path = ""
         if shared:
+            remove_orphan_files(ARENA_PREFIX)  # a SIGKILLed worker's arena, if any
             self.path = f"/dev/shm/{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:

@@ -17,7 +17,6 @@ under the tier's lock, before its slot is reused, so the store can demote it to 
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import threading
@@ -28,7 +27,7 @@ from multiprocessing import shared_memory
 from engine.kvcache.eviction import make_policy
 from engine.kvcache.namespace import KVNamespace
 from engine.kvcache.tier import PutResult, Tier
-from engine.process_id import identify
+from engine.process_id import remove_orphan_files
 
 SHM_PREFIX = "engine-kv-"
 _SHM_DIR = "/dev/shm"
@@ -271,20 +270,5 @@ class DramTier(Tier):
 
 
 def remove_orphan_arenas(shm_dir: str = _SHM_DIR) -> list[str]:
-    """Unlink the DRAM arenas (``engine-kv-<pid>-<hex>``) whose owning process is gone: a
-    SIGKILLed engine or pool service cannot unlink its own, and each holds up to its whole
-    capacity of the host's shared memory. Returns the names removed."""
-    removed = []
-    for path in glob.glob(os.path.join(shm_dir, f"{SHM_PREFIX}*")):
-        name = os.path.basename(path)
-        pid_text = name[len(SHM_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or identify(int(pid_text)) is not None:
-            continue
-        try:
-            os.unlink(path)
-            removed.append(name)
-        except OSError:
-            continue
-    if removed:
-        logger.warning("removed %d DRAM arena(s) left by dead processes: %s", len(removed), removed)
-    return removed
+    """Unlink the DRAM arenas (``engine-kv-<pid>-<hex>``) whose owning process is gone."""
+    return remove_orphan_files(SHM_PREFIX, shm_dir)

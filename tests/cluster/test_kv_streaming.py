@@ -441,3 +441,32 @@ def test_sender_streamed_and_not_streamed(transport):
         sender.close()
         rx.close()
         arena.close()
+
+
+def test_a_new_staging_arena_removes_those_of_dead_workers_only():
+    """A SIGKILLed worker cannot unlink its staging file; the next arena made on the host does,
+    and leaves a live process's alone."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.cluster.transfer import ARENA_PREFIX
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = f"/dev/shm/{ARENA_PREFIX}{dead.pid}-0badc0de"
+    live = f"/dev/shm/{ARENA_PREFIX}{os.getpid()}-0badc0de"
+    for path in (orphan, live):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        arena = StagingArena(1 << 20)
+        try:
+            assert not os.path.exists(orphan)
+            assert os.path.exists(live)
+        finally:
+            arena.close()
+    finally:
+        for path in (orphan, live):
+            if os.path.exists(path):
+                os.unlink(path)
