@@ -17,6 +17,8 @@ from test_engine_scheduling import make_engine, run_all
 
 from engine.cluster.launcher import Cluster
 from engine.cluster.router import ClusterUnavailableError, RouterConfig
+from engine.cluster.transfer import ARENA_PREFIX
+from engine.kvcache.dram_tier import SHM_PREFIX
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -105,7 +107,10 @@ def test_kills_restarts_and_drain():
         cluster.stop()
     for pid in pids:  # no orphans, no staging files
         assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
-    assert not [f for pid in pids for f in glob.glob(f"/dev/shm/engine-kv-{pid}-*")]
+    # Staging arenas (the check used to glob only the DRAM arenas' prefix, never these) and
+    # DRAM arenas.
+    prefixes = (ARENA_PREFIX, SHM_PREFIX)
+    assert not [f for p in prefixes for pid in pids for f in glob.glob(f"/dev/shm/{p}{pid}-*")]
 
 
 def _zombie(pid: int) -> bool:
