@@ -237,7 +237,7 @@ def synthetic(transport):
     return kv, arena, KVReceiver(kv, BS, arena)
 
 
-def send_layers(rx, arena, t, layers, order_seed, inline, tamper=None):
+def send_layers(rx, arena, t, layers, order_seed, inline, tamper=None, rid="r"):
     """Layers as (layer, start, end) with data = a known function of position."""
     ctx = zmq.Context.instance()
     push = ctx.socket(zmq.PUSH)
@@ -264,9 +264,9 @@ def send_layers(rx, arena, t, layers, order_seed, inline, tamper=None):
                 arena.buf[t.offset + t.layout.run(layer, 0, a, b)[0]] ^= 1
         half = raw.nbytes // 2
         frames = (raw[:half].tobytes(), raw[half:].tobytes()) if inline else ()
-        msg = m.KVLayer("r", layer, a, b, crc, inline, frames=frames)
+        msg = m.KVLayer(rid, layer, a, b, crc, inline, frames=frames)
         push.send_multipart(m.encode(msg))
-    push.send_multipart(m.encode(m.KVDone("r", T, L, 0, [{"index": 0, "token": 1}])))
+    push.send_multipart(m.encode(m.KVDone(rid, T, L, 0, [{"index": 0, "token": 1}])))
     push.close(linger=5000)
     return full
 
@@ -287,8 +287,9 @@ def test_every_layer_once_in_any_order(transport, seed, first):
         t = rx.expect("r", 10, 30.0)
         full = send_layers(rx, arena, t, CHUNKS, seed, inline=transport == "tcp")
         assert wait_event(rx) == "r" and t.ok, t.error
-        if transport == "tcp":  # kept in the frames they came in: nothing copied to staging
-            assert int(arena.view(t.offset, t.layout.nbytes).count_nonzero()) == 0
+        if transport == "tcp":  # received from the frames into the staging area, in its layout
+            staged = arena.view(t.offset, t.layout.nbytes).view(torch.float32)
+            assert torch.equal(staged.view(L, 2, 10, H, D), full[:L, :, :10])
         rx.admit("r", ["r"])
 
         class Req:
@@ -333,6 +334,40 @@ def test_bad_transfers_fail(transport, chunks, tamper, words):
         while arena.used and time.monotonic() < deadline:
             time.sleep(0.01)
         assert arena.used == 0
+    finally:
+        rx.close()
+        arena.close()
+
+
+@pytest.mark.parametrize(
+    "sizes, words",
+    [
+        ([32, 32], "frames of [32, 32] bytes for 2 x 64"),  # short: truncated rows
+        ([64, 96], "frames of [64, 96] bytes for 2 x 64"),  # long: would overrun the area
+        ([64], "frames of [64] bytes"),  # V missing
+        ([64, 64, 8], "frames of [64, 64, '?'] bytes"),  # a frame too many
+    ],
+)
+def test_tcp_frames_of_the_wrong_size_fail_and_stay_in_their_area(sizes, words):
+    """A TCP layer is received straight into its staging area: frames of the wrong size or count
+    end the transfer, nothing is written past the area, and the receiver keeps serving."""
+    kv, arena, rx = synthetic("tcp")
+    try:
+        t = rx.expect("r", 2, 30.0)  # 2 tokens x 32 bytes per K (or V) row set: 64 bytes
+        other = rx.expect("o", 2, 30.0)
+        staged = arena.view(other.offset, other.layout.nbytes)
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(rx.address)
+        frames = [bytes([7]) * n for n in sizes]
+        head = m.encode(m.KVLayer("r", 0, 0, 2, checksum(*frames), True))[0]
+        push.send_multipart([head, *frames])
+        assert wait_event(rx) == "r"
+        assert not t.ok and words in t.error, t.error
+        rest = arena.view(t.offset, t.layout.nbytes)[128:]  # past layer 0's K and V rows
+        assert int(rest.count_nonzero()) == 0 and int(staged.count_nonzero()) == 0
+        push.close()
+        send_layers(rx, arena, other, [(layer, 0, 2) for layer in range(L)], 0, True, rid="o")
+        assert wait_event(rx) == "o" and other.ok, other.error
     finally:
         rx.close()
         arena.close()

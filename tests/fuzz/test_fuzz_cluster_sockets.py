@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from test_fuzz_decoders import CLUSTER_HEADERS
 
 from engine.cluster import messages as m
-from engine.cluster.kv_receiver import KVReceiver, _from_frame
+from engine.cluster.kv_receiver import KVReceiver
 from engine.cluster.router import Router, RouterConfig
 from engine.cluster.transfer import StagingArena, checksum
 from engine.sampling_params import SamplingParams
@@ -301,12 +301,9 @@ def test_kv_receiver_still_correct_and_idle_afterwards(receiver, fleet, request)
             assert got.error is not None and "twice" in got.error
         else:
             assert got.ok, got.error
-            # TCP pieces stay in the frames they came in until the scatter into the cache.
-            staged = torch.full((L, 2, T, H, D), float("nan"))
-            for layer, a, b, *kv_bufs in got.frames:
-                for kv, buf in enumerate(kv_bufs):
-                    staged[layer, kv, a:b] = _from_frame(buf, torch.float32).view(b - a, H, D)
-            assert torch.equal(staged, data)
+            # TCP pieces are received into the staging area, in its layout.
+            staged = arena.view(got.offset, got.layout.nbytes).view(torch.float32)
+            assert torch.equal(staged.view(L, 2, T, H, D), data)
         rx.release(rid)
         _wait(lambda: arena.used == 0, what="the staging arena to be idle")
     assert rx._thread.is_alive() and fleet.router._thread.is_alive()
