@@ -53,7 +53,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.headers = headers or {}
-        self.reason: str | None = None  # a 429's cause for request_rejected_total{reason}
+        self.reason: str | None = None  # a 429's or 503's cause for request_rejected_total
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param)
@@ -90,9 +90,13 @@ def to_api_error(exc: BaseException, aliases: dict[str, str] | None = None) -> A
         err.reason = getattr(exc, "reason", None)  # the cluster's admission says why
         return err
     if isinstance(exc, EngineShuttingDownError):
-        return APIError(503, str(exc) or "the server is shutting down")
+        err = APIError(503, str(exc) or "the server is shutting down")
+        err.reason = "shutting_down"
+        return err
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc))
+        err = APIError(503, str(exc))
+        err.reason = "unavailable"  # the engine died, or no worker of the cluster can serve
+        return err
     if isinstance(exc, (ValueError, TypeError)):
         message = str(exc)
         return APIError(400, message, guess_param(message, aliases))

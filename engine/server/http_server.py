@@ -104,7 +104,7 @@ def build_app(
         if err.status == 429:
             rejections.add(err.reason or "queue_full")
         elif err.status == 503:
-            rejections.add("shutting_down")
+            rejections.add(err.reason or "unavailable")
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
@@ -125,7 +125,7 @@ def build_app(
 
     async def generation(request: Request, model: type[BaseModel], make_job) -> Response:
         if state.draining:
-            raise APIError(503, "the server is shutting down")
+            raise to_api_error(EngineShuttingDownError("the server is shutting down"))
         body = await read_body(request, model, max_body_bytes)
         aliases = {"prompt": "messages"} if model is ChatCompletionRequest else None
         try:
@@ -143,12 +143,14 @@ def build_app(
             if result is None:
                 return Response(status_code=499)
             return JSONResponse(result)
-        except EngineDeadError as exc:
+        except (EngineDeadError, TimeoutError) as exc:
             # The engine or the cluster behind the router cannot serve (a worker died, the
-            # staging area is full): a 503 the client retries, worth one line, not a traceback
-            # (an exception left to the catch-all handler is also re-raised to the server's log).
-            logger.warning("%s: 503: %s", request.url.path, exc)
-            raise to_api_error(exc, aliases) from exc
+            # staging area is full: 503) or the request passed the router's deadline (408):
+            # worth one line, not a traceback (an exception left to the catch-all handler is
+            # also re-raised to the server's log).
+            err = to_api_error(exc, aliases)
+            logger.warning("%s: %d: %s", request.url.path, err.status, exc)
+            raise err from exc
         except (ValueError, TypeError, QueueFullError, EngineShuttingDownError) as exc:
             raise to_api_error(exc, aliases) from exc
 

@@ -34,7 +34,8 @@ _DESCRIPTIONS = {
     400: "Invalid request: the message and param name the field and its limit",
     401: "Missing or wrong API key",
     404: "Unknown model",
-    408: "The request did not arrive within its read deadline",
+    408: "The request did not arrive within its read deadline, or (a cluster) did not finish "
+    "within its deadline",
     413: "Request body too large",
     429: "Overloaded: retry after Retry-After seconds",
     503: "Shutting down, or the engine is not running",

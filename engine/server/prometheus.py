@@ -94,13 +94,14 @@ class EngineCollector(Collector):
 
         rejected = CounterMetricFamily(
             PREFIX + "request_rejected",
-            "Requests turned away (queue full, shutting down, engine admission), by reason.",
+            "Requests turned away (queue full, shutting down, engine unavailable, engine "
+            "admission), by reason.",
             labels=["model_name", "reason"],
         )
         counts = self.rejections.snapshot()
         if s.rejected:
             counts["engine"] = counts.get("engine", 0) + s.rejected
-        for reason in ("queue_full", "shutting_down"):
+        for reason in ("queue_full", "shutting_down", "unavailable"):
             counts.setdefault(reason, 0)
         for reason, count in sorted(counts.items()):
             rejected.add_metric([self.model_name, reason], count)

@@ -1,6 +1,7 @@
 """An engine (or the cluster behind a router) that cannot serve a request raises EngineDeadError:
 the client gets the OpenAI-shaped 503, and the server logs one line for it, not the
-"Exception in ASGI application" traceback a catch-all handler leaves (a chaos run logged 137)."""
+"Exception in ASGI application" traceback a catch-all handler leaves (a chaos run logged 137).
+A request that passed the router's deadline is a 408, logged the same way."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from serverutil import MODEL, http_server
 
 from engine.async_llm import EngineDeadError
 from engine.cluster.router import ClusterUnavailableError
+from engine.metrics import MetricsSnapshot
 
 
 class _Tokenizer:
@@ -53,6 +55,14 @@ class DeadEngine:
     async def shutdown(self, timeout: float = 30.0) -> None:
         pass
 
+    def metrics(self) -> MetricsSnapshot:
+        none = [(float("inf"), 0)]  # empty histograms
+        return MetricsSnapshot(
+            *(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0), finished={}, rejected=0,
+            ttft=none, ttft_sum=0.0, itl=none, itl_sum=0.0, e2e=none, e2e_sum=0.0,
+            queue_time=none, queue_time_sum=0.0,
+        )  # fmt: skip
+
 
 @pytest.mark.parametrize(
     "exc",
@@ -70,10 +80,34 @@ def test_engine_dead_is_a_503_without_a_traceback(caplog, exc, path):
         body["messages"] = [{"role": "user", "content": "hi"}]
     with caplog.at_level(logging.WARNING), http_server(DeadEngine(exc)) as s:
         r = httpx.post(s.url + path, json=body, timeout=30)
+        metrics = httpx.get(s.url + "/metrics", timeout=30).text
     assert r.status_code == 503, r.text
+    # Counted as what it is: not a shutdown (the server is not draining).
+    counted = 'engine:request_rejected_total{model_name="%s",reason="%s"} %s'
+    assert counted % (MODEL, "unavailable", "1.0") in metrics
+    assert counted % (MODEL, "shutting_down", "0.0") in metrics
     err = r.json()["error"]
     assert err["type"] == "ServiceUnavailableError" and err["code"] == 503
     assert str(exc) in err["message"]
+    tracebacks = [rec for rec in caplog.records if rec.exc_info or "Traceback" in rec.getMessage()]
+    assert not tracebacks, [rec.getMessage() for rec in tracebacks]
+    lines = [rec for rec in caplog.records if str(exc) in rec.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_router_deadline_is_a_408_without_a_traceback(caplog, path):
+    exc = TimeoutError("request r passed its deadline")  # what the router fails it with
+    body = {"model": MODEL, "max_tokens": 4}
+    if path == "/v1/completions":
+        body["prompt"] = [5, 6, 7]
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    with caplog.at_level(logging.WARNING), http_server(DeadEngine(exc)) as s:
+        r = httpx.post(s.url + path, json=body, timeout=30)
+    assert r.status_code == 408, r.text
+    err = r.json()["error"]
+    assert err["type"] == "TimeoutError" and str(exc) in err["message"]
     tracebacks = [rec for rec in caplog.records if rec.exc_info or "Traceback" in rec.getMessage()]
     assert not tracebacks, [rec.getMessage() for rec in tracebacks]
     lines = [rec for rec in caplog.records if str(exc) in rec.getMessage()]
