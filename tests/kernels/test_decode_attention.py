@@ -110,8 +110,20 @@ def naive_decode(q, k_cache, v_cache, block_tables, seq_lens, scale):
     return out
 
 
-def test_reference_matches_naive_loop():
-    q, k_cache, v_cache, bt, lens = make_batch([1, 9, 5], 4, 2, 16, 4, torch.float32)
+@pytest.mark.parametrize(
+    "seq_lens, heads, kv_heads, head_dim, block_size",
+    [
+        ([1, 9, 5], 4, 2, 16, 4),
+        # The default model's heads; 1,000 tokens span two of the CPU path's gather chunks
+        # (56 blocks each at this batch), and the rows reach different chunks.
+        ([1000, 17, 950], 9, 3, 64, 16),
+        ([40, 3], 8, 8, 16, 4),  # more KV heads than the chunked path takes
+    ],
+)
+def test_reference_matches_naive_loop(seq_lens, heads, kv_heads, head_dim, block_size):
+    q, k_cache, v_cache, bt, lens = make_batch(
+        seq_lens, heads, kv_heads, head_dim, block_size, torch.float32
+    )
     ref = decode_attention_ref(q, k_cache, v_cache, bt, lens, 0.3)
     naive = naive_decode(q, k_cache, v_cache, bt, lens, 0.3)
     torch.testing.assert_close(ref.double(), naive, rtol=1e-5, atol=1e-5)
