@@ -215,6 +215,10 @@ class EngineConfig:
     # (profiling/bench_step.py --compile): the GEMMs and the eager attention dominate a step and
     # dynamo's guard checks (~0.5 ms per compiled call under load) eat what fusion saves.
     compile: bool = False
+    # bf16 on the CPU: keep the projections' and the LM head's weights also in oneDNN's blocked
+    # layout (bit-identical products without a reorder per call; layers/linear.py pack_bf16).
+    # Costs a second copy of those weights in memory; False keeps one.
+    pack_weights: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Keep a GGUF model's dequantized weights in a file (engine/weight_cache.py) and map it on
     # later starts; ENGINE_WEIGHT_CACHE=0 turns it off too.

@@ -119,6 +119,7 @@ class LLMEngine:
             self.device,
             quantization=config.quantization,
             compile=config.resolved_compile(),
+            pack_weights=config.pack_weights,
         )
         self.sampler = Sampler()
         self.metrics = EngineMetrics()

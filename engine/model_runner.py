@@ -41,7 +41,8 @@ class StepInputs:
 
 class ModelRunner:
     """Runs the model on scheduled steps. ``quantization="int8"`` swaps the model's weights for
-    int8 ones; ``compile=True`` compiles the decoder layers' dense parts (see compile_layers)."""
+    int8 ones; ``compile=True`` compiles the decoder layers' dense parts (see compile_layers);
+    ``pack_weights=True`` packs bf16 CPU weights for oneDNN (LlamaForCausalLM.pack_weights_)."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class ModelRunner:
         device,
         quantization: str | None = None,
         compile: bool = False,
+        pack_weights: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -65,6 +67,11 @@ class ModelRunner:
         self.compiled = compile
         if compile:
             compile_layers(model)
+        # bf16 weights packed for oneDNN (not under compile: inductor packs its own, and not
+        # with int8, whose weights are not bf16 any more).
+        self.packed = (
+            pack_weights and quantization is None and not compile and model.pack_weights_()
+        )
 
     def prepare(
         self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, list[int]]

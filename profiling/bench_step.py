@@ -109,6 +109,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument(
+        "--pack-weights", action=argparse.BooleanOptionalAction, default=True,
+        help="bf16 weights packed for oneDNN (EngineConfig.pack_weights)",
+    )  # fmt: skip
     ap.add_argument("--cases", nargs="+", default=["64x512", "1x4096"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
@@ -122,6 +126,7 @@ def main() -> None:
         extra["quantization"] = args.quantization
     if args.compile is not None:
         extra["compile"] = args.compile
+    extra["pack_weights"] = args.pack_weights
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
@@ -134,6 +139,7 @@ def main() -> None:
     print(
         f"torch threads {torch.get_num_threads()}, dtype {engine.dtype}, "
         f"quantization {args.quantization}, compile {engine.runner.compiled}, "
+        f"packed {bool(engine.runner.packed)}, "
         f"{'process CPU' if args.cpu_time else 'wall'} time, best of {args.reps}"
     )
     head = ("batch x context", "step ms", "attn ms", "attn share", "tok/s")

@@ -13,7 +13,7 @@ import torch
 from engine.config import ModelConfig
 from engine.layers.attention import PagedAttention
 from engine.layers.attention_metadata import AttentionMetadata
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, pack_bf16, packed_linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.quant import int8_linear, quantize_int8
 from engine.layers.rmsnorm import RMSNorm
@@ -103,6 +103,20 @@ class LlamaForCausalLM(torch.nn.Module):
         self.dtype = dtype
         self.lm_qweight: torch.Tensor | None = None  # int8 LM head (quantize_int8_)
         self.lm_scales: torch.Tensor | None = None
+        self.lm_packed: torch.Tensor | None = None  # oneDNN-packed bf16 LM head (pack_weights_)
+
+    @torch.no_grad()
+    def pack_weights_(self) -> bool:
+        """bf16 on the CPU: every projection and the LM head's GEMM also get a copy in oneDNN's
+        blocked layout (linear.pack_bf16; same results, bit for bit). The plain weights stay:
+        the weight cache, the KV pool's model digest and the float32 logit refinement read
+        them. Returns whether anything was packed."""
+        packed = False
+        for layer in self.layers:
+            for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                packed |= lin.pack_()
+        self.lm_packed = pack_bf16(self.lm_head)
+        return packed or self.lm_packed is not None
 
     @torch.no_grad()
     def quantize_int8_(self) -> None:
@@ -143,6 +157,8 @@ class LlamaForCausalLM(torch.nn.Module):
         LOGIT_REFINE_TOPK logits of each row are recomputed in float32."""
         if self.lm_qweight is not None:
             logits = int8_linear(hidden, self.lm_qweight, self.lm_scales, None).float()
+        elif self.lm_packed is not None and hidden.dtype == torch.bfloat16:
+            logits = packed_linear(hidden, self.lm_packed, None).float()
         else:
             logits = torch.nn.functional.linear(hidden, self.lm_head).float()
         if self.dtype == torch.float32 or hidden.shape[0] == 0:

@@ -126,3 +126,33 @@ def test_compiled_layers_agree_with_eager(reference):
     # decode steps (1 token) and batches of new sizes run through the same compiled code
     for (_, want), got in zip(QUESTIONS, chat_answers(compiled)):
         assert want in got
+
+
+def test_packed_bf16_weights_give_the_same_logits_bit_for_bit():
+    """pack_weights (the default) keeps a oneDNN-blocked copy of every bf16 projection and of
+    the LM head: a pure speed change, so the logits equal the unpacked model's exactly."""
+    packed, plain = make("bfloat16"), make("bfloat16", pack_weights=False)
+    assert packed.engine.runner.packed and not plain.engine.runner.packed
+    layer = packed.engine.model.layers[0]
+    assert layer.qkv_proj.packed is not None and packed.engine.model.lm_packed is not None
+    assert layer.qkv_proj.weight is not None  # the plain copy stays (weight cache, digest)
+    ids = packed.tokenizer.encode(TEXT)[:200]
+    assert torch.equal(packed.engine.prompt_logits(ids), plain.engine.prompt_logits(ids))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in packed.generate(["The history of", "def add("], params)]
+    want = [o.outputs[0].token_ids for o in plain.generate(["The history of", "def add("], params)]
+    assert got == want
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 16, 300])
+def test_packed_linear_equals_f_linear(rows):
+    from engine.layers.linear import pack_bf16, packed_linear
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    bias = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 128, generator=g).bfloat16()[:, ::2]  # strided rows too
+    packed = pack_bf16(w)
+    assert packed is not None and pack_bf16(w.float()) is None  # float32 stays unpacked
+    ref = torch.nn.functional.linear(x, w, bias)
+    assert torch.equal(packed_linear(x, packed, bias), ref)
