@@ -19,7 +19,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from kvcache.pool_service_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = (
@@ -50,12 +50,6 @@ QUESTIONS = [
 ]
 CLEAR_STATUS = {400, 408, 429, 500, 502, 503}  # an error body naming the reason
 MEMORY_BOUND = {"prefill": 3 << 30, "decode": 3 << 30, "router": 2 << 30, "pool": 1 << 30}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
