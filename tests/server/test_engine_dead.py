@@ -64,6 +64,24 @@ class DeadEngine:
         )  # fmt: skip
 
 
+def post_once(caplog, exc: BaseException, path: str) -> tuple[httpx.Response, str]:
+    """One request to a server whose engine fails with exc: the response and the metrics after
+    it. The server logged exc in one WARNING line, without a traceback."""
+    body = {"model": MODEL, "max_tokens": 4}
+    if path == "/v1/completions":
+        body["prompt"] = [5, 6, 7]
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    with caplog.at_level(logging.WARNING), http_server(DeadEngine(exc)) as s:
+        r = httpx.post(s.url + path, json=body, timeout=30)
+        metrics = httpx.get(s.url + "/metrics", timeout=30).text
+    tracebacks = [rec for rec in caplog.records if rec.exc_info or "Traceback" in rec.getMessage()]
+    assert not tracebacks, [rec.getMessage() for rec in tracebacks]
+    lines = [rec for rec in caplog.records if str(exc) in rec.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    return r, metrics
+
+
 @pytest.mark.parametrize(
     "exc",
     [
@@ -73,14 +91,7 @@ class DeadEngine:
 )
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_engine_dead_is_a_503_without_a_traceback(caplog, exc, path):
-    body = {"model": MODEL, "max_tokens": 4}
-    if path == "/v1/completions":
-        body["prompt"] = [5, 6, 7]
-    else:
-        body["messages"] = [{"role": "user", "content": "hi"}]
-    with caplog.at_level(logging.WARNING), http_server(DeadEngine(exc)) as s:
-        r = httpx.post(s.url + path, json=body, timeout=30)
-        metrics = httpx.get(s.url + "/metrics", timeout=30).text
+    r, metrics = post_once(caplog, exc, path)
     assert r.status_code == 503, r.text
     # Counted as what it is: not a shutdown (the server is not draining).
     counted = 'engine:request_rejected_total{model_name="%s",reason="%s"} %s'
@@ -89,26 +100,12 @@ def test_engine_dead_is_a_503_without_a_traceback(caplog, exc, path):
     err = r.json()["error"]
     assert err["type"] == "ServiceUnavailableError" and err["code"] == 503
     assert str(exc) in err["message"]
-    tracebacks = [rec for rec in caplog.records if rec.exc_info or "Traceback" in rec.getMessage()]
-    assert not tracebacks, [rec.getMessage() for rec in tracebacks]
-    lines = [rec for rec in caplog.records if str(exc) in rec.getMessage()]
-    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_router_deadline_is_a_408_without_a_traceback(caplog, path):
     exc = TimeoutError("request r passed its deadline")  # what the router fails it with
-    body = {"model": MODEL, "max_tokens": 4}
-    if path == "/v1/completions":
-        body["prompt"] = [5, 6, 7]
-    else:
-        body["messages"] = [{"role": "user", "content": "hi"}]
-    with caplog.at_level(logging.WARNING), http_server(DeadEngine(exc)) as s:
-        r = httpx.post(s.url + path, json=body, timeout=30)
+    r, _ = post_once(caplog, exc, path)
     assert r.status_code == 408, r.text
     err = r.json()["error"]
     assert err["type"] == "TimeoutError" and str(exc) in err["message"]
-    tracebacks = [rec for rec in caplog.records if rec.exc_info or "Traceback" in rec.getMessage()]
-    assert not tracebacks, [rec.getMessage() for rec in tracebacks]
-    lines = [rec for rec in caplog.records if str(exc) in rec.getMessage()]
-    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
