@@ -60,14 +60,18 @@ class DecoderLayer(torch.nn.Module):
         cfg = self.cfg
         t = hidden.shape[0]
         x = self.input_layernorm(hidden)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        qkv = self.qkv_proj(x)
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return q, k, v
+            q = self.q_norm(qkv[:, : self.q_size].view(t, hq, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
+            q, k = self.rotary(positions, q, k)
+            return q, k, v
+        # q and k lie side by side in the fused output: one rotary pass over both heads.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
+        qk = self.rotary.rotate(positions, qk)
+        return qk[:, :hq], qk[:, hq:], v
 
     def post_attention(self, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.o_proj(o.reshape(hidden.shape[0], self.q_size))

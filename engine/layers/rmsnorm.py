@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class RMSNorm(torch.nn.Module):
@@ -12,7 +13,8 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # F.rms_norm on the float32 copy: the same statistics in one kernel (bit-identical to
+        # h * rsqrt(mean(h^2) + eps)); the weight multiplies after rounding to the model's dtype,
+        # as in Hugging Face's LlamaRMSNorm.
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * h.to(x.dtype)

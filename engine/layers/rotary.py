@@ -50,19 +50,26 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        # sin with its first half negated: x * cos + swap_halves(x) * sin_signed is the
+        # rotate-half form (-x2 * s == x2 * -s exactly) with one kernel (cat) fewer.
+        half = head_dim // 2
+        sin = self.sin
+        self.register_buffer(
+            "sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False
+        )
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D]; k [T, Hkv, D]."""
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions [T]; x [T, H, D] (any heads: q and k side by side rotate in one pass, as
+        the decoder layer does with its fused QKV output) -> a new [T, H, D] in x's dtype."""
         cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        qf, kf = q.float(), k.float()
-        q_out = qf * cos + _rotate_half(qf) * sin
-        k_out = kf * cos + _rotate_half(kf) * sin
-        return q_out.to(q.dtype), k_out.to(k.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        sin = self.sin_signed[positions].unsqueeze(1)
+        xf = x.float()
+        half = x.shape[-1] // 2
+        swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * cos + swapped * sin).to(x.dtype)
