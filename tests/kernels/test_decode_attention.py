@@ -118,6 +118,9 @@ def naive_decode(q, k_cache, v_cache, block_tables, seq_lens, scale):
         # (56 blocks each at this batch), and the rows reach different chunks.
         ([1000, 17, 950], 9, 3, 64, 16),
         ([40, 3], 8, 8, 16, 4),  # more KV heads than the chunked path takes
+        ([37], 9, 3, 64, 16),  # a lone sequence (its own path up to 1,024 tokens)
+        ([1], 9, 3, 64, 16),
+        ([1100], 9, 3, 64, 16),  # a lone sequence past that: the chunked path
     ],
 )
 def test_reference_matches_naive_loop(seq_lens, heads, kv_heads, head_dim, block_size):
