@@ -40,7 +40,7 @@ import zmq
 
 from engine.cluster import messages as m
 from engine.cluster.transfer import KVLayout, StagingArena, checksum, scatter_tokens
-from engine.kvcache.connector import KVConnector, LoadDone
+from engine.kvcache.connector import KVConnector, LoadDone, WrapsPool
 from engine.process_id import ProcessId, identify, is_gone
 from engine.security import curve
 
@@ -75,7 +75,7 @@ class Transfer:
         return self.done is not None and self.error is None
 
 
-class KVReceiver(KVConnector):
+class KVReceiver(WrapsPool):
     def __init__(
         self,
         kv_cache: torch.Tensor,
@@ -294,20 +294,9 @@ class KVReceiver(KVConnector):
         if self.inner is not None:
             self.inner.request_finished(req)
 
-    def wait(self, timeout: float) -> None:
-        if self.inner is not None:
-            self.inner.wait(timeout)
-
-    def save(self, req, block_table, block_hashes, first_block: int, num_blocks: int) -> None:
-        if self.inner is not None:
-            self.inner.save(req, block_table, block_hashes, first_block, num_blocks)
-
     def save_layer(self, layer: int, step) -> None:
         if self.inner is not None and self.inner.per_layer:
             self.inner.save_layer(layer, step)
-
-    def stats(self) -> dict:
-        return self.inner.stats() if self.inner is not None else {}
 
     def close(self) -> None:
         self._stop.set()

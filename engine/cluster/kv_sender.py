@@ -34,7 +34,7 @@ import zmq
 from engine.cluster import faults
 from engine.cluster import messages as m
 from engine.cluster.transfer import KVLayout, PeerArenas, checksum, gather_tokens
-from engine.kvcache.connector import KVConnector, LoadDone, StepBlocks
+from engine.kvcache.connector import KVConnector, LoadDone, StepBlocks, WrapsPool
 from engine.security import curve
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class _Done:
 _DONE = _Done()
 
 
-class KVSender(KVConnector):
+class KVSender(WrapsPool):
     per_layer = True
 
     def __init__(
@@ -231,20 +231,9 @@ class KVSender(KVConnector):
     def finished_loads(self) -> list[LoadDone]:
         return self.inner.finished_loads() if self.inner else []
 
-    def wait(self, timeout: float) -> None:
-        if self.inner is not None:
-            self.inner.wait(timeout)
-
-    def save(self, req, block_table, block_hashes, first_block: int, num_blocks: int) -> None:
-        if self.inner is not None:
-            self.inner.save(req, block_table, block_hashes, first_block, num_blocks)
-
     def request_finished(self, req) -> None:
         if self.inner is not None:
             self.inner.request_finished(req)
-
-    def stats(self) -> dict:
-        return self.inner.stats() if self.inner else {}
 
     def close(self) -> None:
         try:

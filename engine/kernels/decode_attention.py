@@ -62,9 +62,8 @@ def decode_attention_ref(
         max_seq_len = int(seq_lens.max())
     n = -(-max_seq_len // block_size)
     length = n * block_size
-    if batch == 1 and length <= _ONE_SEQUENCE_MAX_TOKENS and int(seq_lens[0]) > 0:
-        return _decode_one_sequence(q, k_cache, v_cache, block_tables[0, :n], int(seq_lens[0]),
-                                    scale, out)  # fmt: skip
+    if batch == 1 and length <= _ONE_SEQUENCE_MAX_TOKENS and (only := int(seq_lens[0])) > 0:
+        return _decode_one_sequence(q, k_cache, v_cache, block_tables[0, :n], only, scale, out)
     blocks = block_tables[:, :n].long().clamp(min=0)
     compute = torch.float32
     pos = torch.arange(length, device=q.device)

@@ -94,6 +94,31 @@ class KVConnector(ABC):
         pass
 
 
+class WrapsPool(KVConnector):
+    """A connector with a job of its own (the cluster's KV transfer) that hands the worker's KV
+    pool work (saves, waits, stats) to ``inner``, when there is one."""
+
+    inner: KVConnector | None = None
+
+    def wait(self, timeout: float) -> None:
+        if self.inner is not None:
+            self.inner.wait(timeout)
+
+    def save(
+        self,
+        req: Request,
+        block_table: Sequence[int],
+        block_hashes: Sequence[bytes],
+        first_block: int,
+        num_blocks: int,
+    ) -> None:
+        if self.inner is not None:
+            self.inner.save(req, block_table, block_hashes, first_block, num_blocks)
+
+    def stats(self) -> dict:
+        return self.inner.stats() if self.inner is not None else {}
+
+
 def step_blocks(
     order: Sequence[ScheduledRequest], slot_mapping: Sequence[int], tables: dict[str, list[int]]
 ) -> list[StepBlocks]:

@@ -49,11 +49,10 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
         # sin with its first half negated: x * cos + swap_halves(x) * sin_signed is the
         # rotate-half form (-x2 * s == x2 * -s exactly) with one kernel (cat) fewer.
         half = head_dim // 2
-        sin = self.sin
+        sin = emb.sin()
         self.register_buffer(
             "sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False
         )
