@@ -6,10 +6,12 @@ import os
 
 
 def kernel_backend() -> str:
-    """ENGINE_KERNELS: "auto" (Triton on CUDA, torch references on CPU), "triton" or "torch"."""
+    """ENGINE_KERNELS: "auto" (Triton on CUDA; on CPU the C kernels where they build, else the
+    torch references), "triton", "torch" (the references everywhere) or "native" (the C kernels
+    on CPU, an error where they cannot be built)."""
     value = os.environ.get("ENGINE_KERNELS", "auto").strip().lower() or "auto"
-    if value not in ("auto", "triton", "torch"):
-        raise ValueError(f"ENGINE_KERNELS must be auto, triton or torch, got {value!r}")
+    if value not in ("auto", "triton", "torch", "native"):
+        raise ValueError(f"ENGINE_KERNELS must be auto, triton, torch or native, got {value!r}")
     return value
 
 

@@ -1,8 +1,10 @@
 """Entry points for the engine's hot paths. The model runtime calls only these.
 
 Each kernel family lives in its own file as a Triton kernel, a launcher that checks its inputs, and
-a plain-torch reference with the same signature. Dispatch: Triton on CUDA tensors, the references on
-CPU; ``ENGINE_KERNELS=triton|torch`` forces one (Triton on CPU tensors then needs
+a plain-torch reference with the same signature; a family may also have a C kernel for the CPU
+(``native/``, built at run time) behind a launcher of the same signature. Dispatch: Triton on CUDA
+tensors; on CPU tensors the C kernel where the family has one and it builds here, else the
+reference. ``ENGINE_KERNELS=triton|torch|native`` forces one (Triton on CPU tensors then needs
 TRITON_INTERPRET=1).
 """
 
@@ -11,10 +13,19 @@ from __future__ import annotations
 import torch
 
 from engine import envs
-from engine.kernels.decode_attention import decode_attention_ref
+from engine.kernels.decode_attention import decode_attention_native, decode_attention_ref
 from engine.kernels.kv_copy import kv_gather_ref, kv_scatter_ref
 from engine.kernels.kv_store import kv_store_ref
 from engine.kernels.prefill_attention import prefill_attention_ref
+
+
+def use_native(device: torch.device) -> bool:
+    """The C kernels (kernels/native/) on CPU tensors: by default where they build here."""
+    if device.type != "cpu" or envs.kernel_backend() not in ("auto", "native"):
+        return False
+    from engine.kernels import native
+
+    return native.library() is not None
 
 
 def use_triton(device: torch.device) -> bool:
@@ -49,6 +60,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
         from engine.kernels.decode_attention import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw)
+    if use_native(q.device):
+        return decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw)
     return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw)
 
 
@@ -74,5 +87,6 @@ __all__ = [
     "decode_attention",
     "kv_gather",
     "kv_scatter",
+    "use_native",
     "use_triton",
 ]

@@ -281,24 +281,13 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int)
     return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
-def decode_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Same contract as decode_attention_ref; split-KV (flash-decoding) in two kernels, or one
-    when num_splits is 1. No host sync: without max_seq_len the split count is sized from the
-    block table's width. A sequence of length 0 gets zeros (the reference gives NaN)."""
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits) -> torch.Tensor:
+    """The launchers' shared argument checks (the reference's contract). Returns out, allocated
+    when None."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
     batch, num_heads, head_dim = q.shape
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), last_contiguous=True)
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
     check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
     check_tensor("v_cache", v_cache, last_contiguous=True)
@@ -316,6 +305,102 @@ def decode_attention_triton(
     check_tensor("out", out, dtypes=(q.dtype,), shape=tuple(q.shape), last_contiguous=True)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    return out
+
+
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_NATIVE_ERRORS = {
+    -1: "more than 256 query heads, or a block size that does not divide 256",
+    -2: "out of memory for the kernel's scratch",
+    -3: "a sequence is longer than its block table row, or names a block outside the cache",
+}
+
+
+def decode_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as decode_attention_ref, on CPU tensors, by the C kernel of
+    native/decode_attention.c: each K and V row read once from its paged block; (sequence,
+    256-token chunk) work items over torch's OpenMP threads, merged by log-sum-exp. A sequence's
+    result depends only on its own length (not on the batch or the thread count). A sequence of
+    length 0 gets zeros. max_seq_len and num_splits are accepted and not needed."""
+    from engine.kernels import native
+
+    out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, out=out)
+    for name, t in {**tensors, "seq_lens": seq_lens}.items():
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU for the C kernel, got {t.device}")
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if batch == 0:
+        return out
+    lib = native.library()
+    if lib is None:
+        raise native.NativeUnavailable("the C kernels are not built here")
+    if block_tables.dtype != torch.int32:
+        block_tables = block_tables.to(torch.int32)
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.to(torch.int32)
+    rc = lib.engine_decode_attention(
+        _NATIVE_DTYPES[q.dtype],
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        block_tables.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        float(scale),
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise ValueError(f"decode attention (C kernel): {_NATIVE_ERRORS.get(rc, rc)}")
+    return out
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as decode_attention_ref; split-KV (flash-decoding) in two kernels, or one
+    when num_splits is 1. No host sync: without max_seq_len the split count is sized from the
+    block table's width. A sequence of length 0 gets zeros (the reference gives NaN)."""
+    out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     device = check_devices(
         _decode_split_kernel,
         q=q,

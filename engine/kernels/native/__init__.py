@@ -1,0 +1,146 @@
+"""Kernels in C for the CPU, built at run time by the system's C compiler and called via ctypes.
+
+On the CPU the engine's hot paths were torch references: a dozen ops per layer, each a pass over
+memory. The C sources beside this file do the same work in one pass (each lives next to the
+Triton kernel and the torch reference of its family, and has the same signature behind its
+launcher). They are compiled once per source, compiler and CPU into ``ENGINE_CACHE_DIR/native``
+(``~/.cache/engine/native``), in well under a second, with ``-O3 -march=native -fopenmp``; later
+processes load the cached library. OpenMP comes from the ``libgomp.so.1`` torch has already
+loaded, so a kernel's threads are torch's own team, not a second one competing for the cores.
+
+Without a compiler, or when the build fails, ``library()`` returns None once with a warning and
+the torch references stay in use; ``ENGINE_KERNELS=native`` makes that an error instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from engine import envs
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("decode_attention.c",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
+_HERE = Path(__file__).resolve().parent
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the CDLL or None, "error": why it is None
+
+_I, _I64, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    # dtype, q, k_cache, v_cache, out, block_tables, seq_lens, batch, heads, kv_heads, dim,
+    # block_size, num_blocks, table width, 11 strides, scale, threads
+    "engine_decode_attention": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
+    + [_I64] * 13
+    + [_F, _I],
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The C kernels could not be built or loaded here (the message says why)."""
+
+
+def compiler() -> str | None:
+    """CC if set, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_key(cc: str) -> str:
+    h = hashlib.sha256()
+    resolved = os.path.realpath(shutil.which(cc) or cc)
+    h.update(resolved.encode())
+    try:
+        h.update(str(os.stat(resolved).st_mtime_ns).encode())
+    except OSError:
+        pass
+    h.update(" ".join(FLAGS).encode())
+    h.update(platform.machine().encode())
+    h.update(_cpu_flags().encode())
+    for name in SOURCES:
+        h.update((_HERE / name).read_bytes())
+    return h.hexdigest()[:20]
+
+
+def _build(cc: str) -> Path:
+    out_dir = Path(envs.cache_root()) / "native" / _build_key(cc)
+    target = out_dir / "libengine_native.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: processes starting together (a cluster's
+    # workers) never load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [cc, *FLAGS, *(str(_HERE / s) for s in SOURCES), "-o", tmp, "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise NativeUnavailable(
+                f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}"
+            )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    import torch  # noqa: F401  (its libgomp.so.1 must be loaded first, so the kernels share it)
+
+    cc = compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler (set CC, or install gcc)")
+    try:
+        path = _build(cc)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"building the C kernels failed: {e}") from e
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on first use; None (warned once) where they cannot be built.
+    ENGINE_KERNELS=native raises NativeUnavailable instead of returning None."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                try:
+                    _state["lib"] = _load()
+                except NativeUnavailable as e:
+                    _state["lib"], _state["error"] = None, str(e)
+                    if envs.kernel_backend() != "native":
+                        logger.warning("C kernels unavailable, using the torch references: %s", e)
+    lib = _state["lib"]
+    if lib is None and envs.kernel_backend() == "native":
+        raise NativeUnavailable(str(_state["error"]))
+    return lib  # type: ignore[return-value]
+
+
+def available() -> bool:
+    return library() is not None

@@ -1,0 +1,182 @@
+"""The C kernels for the CPU (engine/kernels/native/): how they are built and loaded, and the paged
+decode attention kernel against a float64 per-token loop and the torch reference."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+from paged_inputs import TOL
+from test_decode_attention import RAGGED, make_batch, naive_decode
+
+import engine.kernels as kernels
+from engine.kernels import native
+from engine.kernels.decode_attention import decode_attention_native, decode_attention_ref
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.mark.parametrize(
+    "seq_lens, heads, kv_heads, head_dim, block_size",
+    [
+        ([1, 9, 5], 4, 2, 16, 4),
+        # The default model's heads; lengths on both sides of the 256-token work chunks.
+        ([1, 255, 256, 257, 1100], 9, 3, 64, 16),
+        ([40, 3], 8, 8, 16, 8),  # group 1
+        ([300, 77], 8, 2, 80, 32),  # head_dim not a multiple of 16
+        ([513], 4, 1, 128, 128),  # one KV head, the largest block
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_naive_loop(seq_lens, heads, kv_heads, head_dim, block_size, dtype):
+    q, k_cache, v_cache, bt, lens = make_batch(
+        seq_lens, heads, kv_heads, head_dim, block_size, dtype
+    )
+    out = torch.full_like(q, float("nan"))
+    assert decode_attention_native(q, k_cache, v_cache, bt, lens, 0.3, out=out) is out
+    naive = naive_decode(q.float(), k_cache.float(), v_cache.float(), bt, lens, 0.3)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out.double(), naive.to(dtype).double(), **tol)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_matches_reference_on_random_batches(seed):
+    g = torch.Generator().manual_seed(300 + seed)
+    lens = [int(torch.randint(1, 700, (1,), generator=g)) for _ in range(1 + 3 * seed)]
+    dtype = (torch.float32, torch.bfloat16)[seed % 2]
+    q, k_cache, v_cache, bt, lens_t = make_batch(lens, 9, 3, 64, 16, dtype, seed=seed)
+    ref = decode_attention_ref(q, k_cache, v_cache, bt, lens_t, 0.125)
+    out = decode_attention_native(q, k_cache, v_cache, bt, lens_t, 0.125)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+def test_a_sequence_gets_the_same_bits_in_any_batch_and_thread_count():
+    # Work is cut per sequence into fixed chunks and merged in a fixed order, so the batch a
+    # sequence decodes in (and the thread count) must not change a single bit of its output.
+    q, k_cache, v_cache, bt, lens = make_batch([700, 3, 260, 1], 9, 3, 64, 16, torch.bfloat16)
+    together = decode_attention_native(q, k_cache, v_cache, bt, lens, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for b in range(4):
+                alone = decode_attention_native(
+                    q[b : b + 1], k_cache, v_cache, bt[b : b + 1], lens[b : b + 1], 0.125
+                )
+                assert torch.equal(alone[0], together[b]), (n, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_empty_sequence_gets_zeros_and_empty_batch_is_fine():
+    q, k_cache, v_cache, bt, lens = make_batch([5, 1], 4, 2, 16, 4, torch.float32)
+    lens[1] = 0
+    out = decode_attention_native(q, k_cache, v_cache, bt, lens, 0.5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    ref = decode_attention_ref(q[:1], k_cache, v_cache, bt[:1], lens[:1], 0.5)
+    torch.testing.assert_close(out[:1], ref)
+    none = decode_attention_native(q[:0], k_cache, v_cache, bt[:0], lens[:0], 0.5)
+    assert none.shape == (0, 4, 16)
+
+
+def test_strided_views_and_int64_indices():
+    q, k_cache, v_cache, bt, lens = make_batch(RAGGED, 9, 3, 64, 16, torch.bfloat16)
+    fused = torch.randn(len(RAGGED), 15, 64).to(torch.bfloat16)
+    fused[:, :9] = q
+    big_out = torch.full((len(RAGGED) + 2, 9, 64), float("nan"), dtype=torch.bfloat16)
+    decode_attention_native(
+        fused[:, :9], k_cache, v_cache, bt.long(), lens.long(), 0.125, out=big_out[:-2]
+    )
+    ref = decode_attention_ref(q, k_cache, v_cache, bt, lens, 0.125)
+    torch.testing.assert_close(big_out[:-2], ref, **TOL[torch.bfloat16])
+    assert big_out[-2:].isnan().all()
+
+
+def test_rejects_bad_input_before_reading_memory():
+    q, k_cache, v_cache, bt, lens = make_batch([40, 20], 9, 3, 64, 16, torch.float32)
+    num_blocks = k_cache.shape[0]
+
+    def rejects(match, **change):
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=bt, seq_lens=lens)
+        args.update(change)
+        with pytest.raises(ValueError, match=match):
+            decode_attention_native(**args, scale=0.125)
+
+    rejects("k_cache", q=q.bfloat16())
+    rejects("v_cache", v_cache=v_cache.half())
+    rejects("seq_lens", seq_lens=lens[:1])
+    outside = bt.clone()
+    outside[0, 1] = num_blocks  # one past the cache
+    rejects("outside the cache", block_tables=outside)
+    negative = bt.clone()
+    negative[1, 0] = -1
+    rejects("outside the cache", block_tables=negative)
+    too_long = lens.clone()
+    too_long[0] = bt.shape[1] * 16 + 1
+    rejects("longer than its block table", seq_lens=too_long)
+    rejects("divide 256", k_cache=k_cache[:, :12], v_cache=v_cache[:, :12])
+
+
+def test_cpu_dispatch_takes_the_c_kernel_unless_told_otherwise(monkeypatch):
+    q, k_cache, v_cache, bt, lens = make_batch([30], 4, 2, 16, 8, torch.float32)
+    calls = []
+    real = kernels.decode_attention_native
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kernels, "decode_attention_native", spy)
+    kernels.decode_attention(q, k_cache, v_cache, bt, lens, 0.25)
+    assert calls == [1]
+    monkeypatch.setenv("ENGINE_KERNELS", "torch")
+    kernels.decode_attention(q, k_cache, v_cache, bt, lens, 0.25)
+    assert calls == [1]
+
+
+def test_threads_come_from_torchs_openmp_runtime():
+    # A second OpenMP runtime would give the process a second thread team fighting torch's for
+    # the cores (the slowdown AsyncLLM's engine thread had). The kernels link libgomp.so.1, which
+    # must resolve to the one torch loaded, not the system's. (Wheels such as sentencepiece
+    # bundle their own under mangled names; those are not ours.)
+    q, k_cache, v_cache, bt, lens = make_batch([300, 20], 9, 3, 64, 16, torch.float32)
+    decode_attention_native(q, k_cache, v_cache, bt, lens, 0.125)
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if line.rstrip().endswith("/libgomp.so.1")}
+    assert len(gomp) == 1, gomp
+    assert "torch" in gomp.pop()
+
+
+def test_build_is_cached_and_a_failed_build_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_state", {})
+    assert native.library() is not None
+    (built,) = (tmp_path / "native").glob("*/libengine_native.so")
+
+    def no_compiler_run(*a, **kw):
+        raise AssertionError("a cached build must not compile again")
+
+    monkeypatch.setattr(native.subprocess, "run", no_compiler_run)
+    monkeypatch.setattr(native, "_state", {})
+    assert native.library() is not None
+    assert list((tmp_path / "native").glob("*/*")) == [built]  # no temporary left behind
+    monkeypatch.undo()
+
+    # A compiler that fails: a warning and the torch references, or an error when forced.
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "other"))
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    monkeypatch.setattr(native, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.native"):
+        assert native.library() is None
+    assert "torch references" in caplog.text
+    assert not kernels.use_native(torch.device("cpu"))
+    q, k_cache, v_cache, bt, lens = make_batch([30], 4, 2, 16, 8, torch.float32)
+    out = kernels.decode_attention(q, k_cache, v_cache, bt, lens, 0.25)  # the reference serves
+    torch.testing.assert_close(out, decode_attention_ref(q, k_cache, v_cache, bt, lens, 0.25))
+    assert not list((tmp_path / "other").glob("native/*/*.so"))
+    monkeypatch.setenv("ENGINE_KERNELS", "native")
+    with pytest.raises(native.NativeUnavailable, match="failed"):
+        native.library()
+    monkeypatch.setattr(native, "_state", {})  # the next test builds afresh
