@@ -112,39 +112,154 @@ typedef struct {
     float scale;
 } Args;
 
+static inline int64_t row_offset(const int32_t *table, int t, int bs, int64_t s_b, int64_t s_s,
+                                 int64_t s_h, int kh) {
+    return (int64_t)table[t / bs] * s_b + (int64_t)(t % bs) * s_s + (int64_t)kh * s_h;
+}
+
+/* Portable loops: scores[h][t - t0] = q[h] . k[t], and acc[h] += p[h][t] * v[t]. */
+static void scores_generic(const Args *a, const int32_t *table, int t0, int t1, const float *q,
+                           float *scores) {
+    const int HK = a->kv_heads, D = a->dim, G = a->heads / HK;
+    float row[MAX_DIM];
+    for (int t = t0; t < t1; t++)
+        for (int kh = 0; kh < HK; kh++) {
+            load_row(a->dt, a->k, row_offset(table, t, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh),
+                     row, D);
+            for (int h = kh * G; h < (kh + 1) * G; h++)
+                scores[(size_t)h * CHUNK + (t - t0)] = dot(q + (size_t)h * D, row, D);
+        }
+}
+
+static void values_generic(const Args *a, const int32_t *table, int t0, int t1,
+                           const float *probs, float *acc) {
+    const int HK = a->kv_heads, D = a->dim, G = a->heads / HK;
+    float row[MAX_DIM];
+    for (int t = t0; t < t1; t++)
+        for (int kh = 0; kh < HK; kh++) {
+            load_row(a->dt, a->v, row_offset(table, t, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh),
+                     row, D);
+            for (int h = kh * G; h < (kh + 1) * G; h++) {
+                const float p = probs[(size_t)h * CHUNK + (t - t0)];
+                float *o = acc + (size_t)h * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) o[d] += p * row[d];
+            }
+        }
+}
+
+#if defined(__AVX512F__)
+/* 16 elements of dtype dt at element offset i of p, as float32. */
+static inline __m512 load16(int dt, const void *p, int64_t i) {
+    if (dt == DT_BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (dt == DT_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* The 16 horizontal sums of v[0..15] as one vector (r[j] = sum of v[j]'s lanes), in 45 shuffles
+   and adds instead of 16 separate reductions. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 u[8], x[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a02, b02, a13, b13] */
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: the lane sums of 4 consecutive inputs */
+        x[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* head_dim = 16 * nv. Inlined with nv a constant, the query (scores) or the accumulator (values)
+   of one head lives in nv registers while the head's keys or values stream past. */
+static inline __attribute__((always_inline)) void scores_avx512(
+    const Args *a, const int32_t *table, int t0, int t1, const float *q, float *scores,
+    const int nv) {
+    const int HK = a->kv_heads, D = a->dim, G = a->heads / HK;
+    for (int kh = 0; kh < HK; kh++)
+        for (int h = kh * G; h < (kh + 1) * G; h++) {
+            __m512 qv[16];
+            for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + (size_t)h * D + 16 * c);
+            for (int t = t0; t < t1; t += 16) {
+                const int n = t1 - t < 16 ? t1 - t : 16;
+                __m512 dots[16];
+                for (int j = 0; j < 16; j++) {
+                    dots[j] = _mm512_setzero_ps();
+                    if (j >= n) continue;
+                    const int64_t off = row_offset(table, t + j, a->block_size, a->sk_b, a->sk_s,
+                                                   a->sk_h, kh);
+                    for (int c = 0; c < nv; c++)
+                        dots[j] = _mm512_fmadd_ps(qv[c], load16(a->dt, a->k, off + 16 * c), dots[j]);
+                }
+                _mm512_mask_storeu_ps(scores + (size_t)h * CHUNK + (t - t0),
+                                      (__mmask16)((1u << n) - 1u), sum16(dots));
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void values_avx512(
+    const Args *a, const int32_t *table, int t0, int t1, const float *probs, float *acc,
+    const int nv) {
+    const int HK = a->kv_heads, D = a->dim, G = a->heads / HK;
+    for (int kh = 0; kh < HK; kh++)
+        for (int h = kh * G; h < (kh + 1) * G; h++) {
+            __m512 o[16];
+            for (int c = 0; c < nv; c++) o[c] = _mm512_setzero_ps();
+            const float *ph = probs + (size_t)h * CHUNK;
+            for (int t = t0; t < t1; t++) {
+                const __m512 p = _mm512_set1_ps(ph[t - t0]);
+                const int64_t off = row_offset(table, t, a->block_size, a->sv_b, a->sv_s,
+                                               a->sv_h, kh);
+                for (int c = 0; c < nv; c++)
+                    o[c] = _mm512_fmadd_ps(p, load16(a->dt, a->v, off + 16 * c), o[c]);
+            }
+            for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + (size_t)h * D + 16 * c, o[c]);
+        }
+}
+
+#define SPECIALISE(NV)                                                                           \
+    static void scores_nv##NV(const Args *a, const int32_t *table, int t0, int t1,              \
+                              const float *q, float *scores) {                                  \
+        scores_avx512(a, table, t0, t1, q, scores, NV);                                         \
+    }                                                                                            \
+    static void values_nv##NV(const Args *a, const int32_t *table, int t0, int t1,              \
+                              const float *probs, float *acc) {                                 \
+        values_avx512(a, table, t0, t1, probs, acc, NV);                                        \
+    }
+SPECIALISE(4)  /* head_dim 64 */
+SPECIALISE(8)  /* head_dim 128 */
+#endif
+
 /* Attention of sequence b's query over tokens [t0, t1): the unnormalised output acc [heads, dim],
-   the max m [heads] and the sum of exponentials l [heads]. scores: heads * CHUNK floats. */
+   the max m [heads] and the sum of exponentials l [heads]. scores: heads * (CHUNK + dim) floats
+   of scratch (the scores, then the scaled query). */
 static void attend_chunk(const Args *a, int b, int t0, int t1, float *scores, float *acc,
                          float *m, float *l) {
-    const int H = a->heads, HK = a->kv_heads, D = a->dim, G = H / HK, bs = a->block_size;
+    const int H = a->heads, D = a->dim;
     const int n = t1 - t0;
     const int32_t *table = a->tables + (int64_t)b * a->s_bt;
-    float *q = scores + (size_t)H * CHUNK; /* [H, D] scaled query, after the scores */
-    float row[MAX_DIM];
+    float *q = scores + (size_t)H * CHUNK;
     for (int h = 0; h < H; h++) {
         load_row(a->dt, a->q, (int64_t)b * a->sq_b + (int64_t)h * a->sq_h, q + (size_t)h * D, D);
         for (int d = 0; d < D; d++) q[(size_t)h * D + d] *= a->scale;
     }
-    for (int t = t0; t < t1; t++) {
-        const int64_t blk = table[t / bs];
-        const int64_t base = blk * a->sk_b + (int64_t)(t % bs) * a->sk_s;
-        if (t % bs == 0 && t + bs < t1) { /* the next block's rows are on their way meanwhile */
-            const int64_t nb = (int64_t)table[t / bs + 1] * a->sk_b;
-            const char *p = (const char *)a->k;
-            const int esz = a->dt == DT_F32 ? 4 : 2;
-            for (int r = 0; r < bs; r++)
-                for (int h = 0; h < HK; h++)
-                    for (int d = 0; d < D * esz; d += 64)
-                        __builtin_prefetch(p + (nb + r * a->sk_s + h * a->sk_h) * esz + d);
-        }
-        for (int kh = 0; kh < HK; kh++) {
-            load_row(a->dt, a->k, base + (int64_t)kh * a->sk_h, row, D);
-            for (int g = 0; g < G; g++) {
-                const int h = kh * G + g;
-                scores[(size_t)h * CHUNK + (t - t0)] = dot(q + (size_t)h * D, row, D);
-            }
-        }
-    }
+    void (*scores_fn)(const Args *, const int32_t *, int, int, const float *, float *) =
+        scores_generic;
+    void (*values_fn)(const Args *, const int32_t *, int, int, const float *, float *) =
+        values_generic;
+#if defined(__AVX512F__)
+    if (D == 64) scores_fn = scores_nv4, values_fn = values_nv4;
+    if (D == 128) scores_fn = scores_nv8, values_fn = values_nv8;
+#endif
+    scores_fn(a, table, t0, t1, q, scores);
     for (int h = 0; h < H; h++) {
         float *sh = scores + (size_t)h * CHUNK;
         float mx = -INFINITY;
@@ -159,29 +274,7 @@ static void attend_chunk(const Args *a, int b, int t0, int t1, float *scores, fl
         l[h] = sum;
         memset(acc + (size_t)h * D, 0, sizeof(float) * (size_t)D);
     }
-    for (int t = t0; t < t1; t++) {
-        const int64_t blk = table[t / bs];
-        const int64_t base = blk * a->sv_b + (int64_t)(t % bs) * a->sv_s;
-        if (t % bs == 0 && t + bs < t1) {
-            const int64_t nb = (int64_t)table[t / bs + 1] * a->sv_b;
-            const char *p = (const char *)a->v;
-            const int esz = a->dt == DT_F32 ? 4 : 2;
-            for (int r = 0; r < bs; r++)
-                for (int h = 0; h < HK; h++)
-                    for (int d = 0; d < D * esz; d += 64)
-                        __builtin_prefetch(p + (nb + r * a->sv_s + h * a->sv_h) * esz + d);
-        }
-        for (int kh = 0; kh < HK; kh++) {
-            load_row(a->dt, a->v, base + (int64_t)kh * a->sv_h, row, D);
-            for (int g = 0; g < G; g++) {
-                const int h = kh * G + g;
-                const float p = scores[(size_t)h * CHUNK + (t - t0)];
-                float *o = acc + (size_t)h * D;
-#pragma omp simd
-                for (int d = 0; d < D; d++) o[d] += p * row[d];
-            }
-        }
-    }
+    values_fn(a, table, t0, t1, scores, acc);
 }
 
 /* Returns 0; -1 for shapes beyond the limits; -2 when scratch memory could not be had; -3 when a
