@@ -14,6 +14,7 @@ import torch
 
 from engine import envs
 from engine.kernels.decode_attention import decode_attention_native, decode_attention_ref
+from engine.kernels.int8_matmul import int8_matmul_native, int8_matmul_ref
 from engine.kernels.kv_copy import kv_gather_ref, kv_scatter_ref
 from engine.kernels.kv_store import kv_store_ref
 from engine.kernels.prefill_attention import prefill_attention_ref
@@ -65,6 +66,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
     return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw)
 
 
+def int8_matmul(x, qweight, scales):
+    """x [rows, in] 16-bit @ (qweight [out, in] int8 * scales [out])^T -> [rows, out]."""
+    if use_native(x.device):
+        return int8_matmul_native(x, qweight, scales)
+    return int8_matmul_ref(x, qweight, scales)
+
+
 def kv_gather(cache, block_ids, out):
     if use_triton(cache.device):
         from engine.kernels.kv_copy import kv_gather_triton
@@ -85,6 +93,7 @@ __all__ = [
     "kv_store",
     "prefill_attention",
     "decode_attention",
+    "int8_matmul",
     "kv_gather",
     "kv_scatter",
     "use_native",

@@ -1,9 +1,8 @@
 """Weight-only int8: per-output-channel symmetric scales from the float weights, and the matmul.
 
 Decode at small batch streams every weight once per step, so its speed is bytes of weights per
-step: int8 halves bf16's. ``torch._weight_int8pack_mm`` reads the int8 weight directly (a GEMV-
-shaped kernel: fast for a few rows, slow for many); for more rows (prefill) the weight is
-dequantized once per call and the GEMM runs in the activation dtype, where FLOPs dominate anyway.
+step: int8 halves bf16's. The matmul is the kernels' ``int8_matmul`` (a weight-streaming kernel for
+a few rows, dequantize + 16-bit GEMM for more; see engine/kernels/int8_matmul.py).
 """
 
 from __future__ import annotations
@@ -11,10 +10,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-# Rows up to which int8pack_mm beats dequantize + 16-bit GEMM (measured on AVX512-BF16).
-INT8_GEMV_MAX_ROWS = 8
+from engine import kernels
 
 
 class QuantizedWeight(NamedTuple):
@@ -40,11 +37,7 @@ def int8_linear(
 ) -> torch.Tensor:
     """y = x (qweight * scales)^T + bias, x [..., in] in 16-bit."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.shape[0] <= INT8_GEMV_MAX_ROWS:
-        y = torch._weight_int8pack_mm(x2.contiguous(), qweight, scales)
-    else:
-        y = F.linear(x2, qweight.to(x.dtype) * scales[:, None])
+    y = kernels.int8_matmul(x.reshape(-1, shape[-1]), qweight, scales)
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], qweight.shape[0])

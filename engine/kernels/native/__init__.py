@@ -29,7 +29,7 @@ from engine import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.c",)
+SOURCES = ("decode_attention.c", "int8_matmul.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
 _HERE = Path(__file__).resolve().parent
 
@@ -43,6 +43,8 @@ _SIGNATURES = {
     "engine_decode_attention": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
     + [_I64] * 13
     + [_F, _I],
+    # dtype, x, qweight, scales, y, rows, N, K, x row stride, y row stride, threads
+    "engine_int8_matmul": [_I, _P, _P, _P, _P, _I, _I64, _I64, _I64, _I64, _I],
 }
 
 

@@ -1,0 +1,89 @@
+"""Weight-only int8 matmul: the C kernel against float math and the torch reference, and the
+dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.kernels as kernels
+from engine.kernels import native
+from engine.kernels.int8_matmul import INT8_GEMV_MAX_ROWS, int8_matmul_native, int8_matmul_ref
+from engine.layers.quant import dequantize_int8, quantize_int8
+
+needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+
+
+def weights(out_features, in_features, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qw = quantize_int8(torch.randn(out_features, in_features, generator=g) * 0.05, dtype)
+    x = torch.randn(INT8_GEMV_MAX_ROWS + 4, in_features, generator=g).to(dtype)
+    return qw, x
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_features", [576, 100, 1536])  # 100: tails after 64 and 16 columns
+@pytest.mark.parametrize("rows", [1, 2, 5, INT8_GEMV_MAX_ROWS])
+def test_matches_float_math(rows, in_features, dtype):
+    qw, x = weights(77, in_features, dtype)  # 77 output rows: a partial block of 16
+    x = x[:rows]
+    exact = x.double() @ dequantize_int8(qw, torch.float64).T
+    got = int8_matmul_native(x, qw.qweight, qw.scales)
+    assert got.dtype == dtype and got.shape == (rows, 77)
+    # float32 sums, then one rounding to the 16-bit dtype.
+    torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=1e-2, atol=2e-3)
+    ref = int8_matmul_ref(x, qw.qweight, qw.scales)
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("in_features", [64, 100, 200])
+def test_reference_is_right_for_any_width(in_features):
+    # torch._weight_int8pack_mm is wrong on the CPU for widths that are not a multiple of 16.
+    qw, x = weights(20, in_features, torch.bfloat16)
+    exact = x[:1].double() @ dequantize_int8(qw, torch.float64).T
+    got = int8_matmul_ref(x[:1], qw.qweight, qw.scales)
+    torch.testing.assert_close(
+        got.double(), exact.to(torch.bfloat16).double(), rtol=1e-2, atol=2e-3
+    )
+
+
+@needs_cc
+def test_more_rows_than_the_kernel_takes_use_the_reference():
+    qw, x = weights(40, 64, torch.bfloat16)
+    got = int8_matmul_native(x, qw.qweight, qw.scales)  # INT8_GEMV_MAX_ROWS + 4 rows
+    assert torch.equal(got, int8_matmul_ref(x, qw.qweight, qw.scales))
+
+
+@needs_cc
+def test_strided_rows_and_bad_input():
+    qw, x = weights(32, 64, torch.bfloat16)
+    wide = torch.zeros(3, 100, dtype=torch.bfloat16)
+    wide[:, :64] = x[:3]
+    torch.testing.assert_close(
+        int8_matmul_native(wide[:, :64], qw.qweight, qw.scales),
+        int8_matmul_native(x[:3].clone(), qw.qweight, qw.scales),
+        rtol=0,
+        atol=0,
+    )
+    with pytest.raises(ValueError, match="qweight"):
+        int8_matmul_native(x, qw.qweight.float(), qw.scales)
+    with pytest.raises(ValueError, match="qweight"):
+        int8_matmul_native(x[:, :32], qw.qweight, qw.scales)
+    with pytest.raises(ValueError, match="scales"):
+        int8_matmul_native(x, qw.qweight, qw.scales[:-1])
+    with pytest.raises(ValueError, match="scales"):
+        int8_matmul_native(x, qw.qweight, qw.scales.half())
+
+
+@needs_cc
+def test_cpu_dispatch(monkeypatch):
+    qw, x = weights(32, 64, torch.bfloat16)
+    calls = []
+    real = kernels.int8_matmul_native
+    monkeypatch.setattr(kernels, "int8_matmul_native", lambda *a: calls.append(1) or real(*a))
+    kernels.int8_matmul(x[:1], qw.qweight, qw.scales)
+    assert calls == [1]
+    monkeypatch.setenv("ENGINE_KERNELS", "torch")
+    kernels.int8_matmul(x[:1], qw.qweight, qw.scales)
+    assert calls == [1]
