@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -60,33 +59,67 @@ def prefill_attention_ref(
     Returns out [T, Hq, D] in q's dtype. max_seqlen_q/max_seq_len are launch hints (unused here)."""
     if out is None:
         out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     for b in range(len(lens)):
         start, end, kv_len = cu[b], cu[b + 1], lens[b]
-        q_len = end - start
-        if q_len == 0:
+        if end == start:
             continue
         k, v = gather_kv(k_cache, v_cache, block_tables[b], kv_len)
-        # [H, q_len, D] x [Hkv, kv_len, D]; SDPA broadcasts KV heads over their group.
-        qh = q[start:end].transpose(0, 1).float()
-        kh = k.transpose(0, 1).float()
-        vh = v.transpose(0, 1).float()
-        if q_len == kv_len:  # nothing cached: plain causal (the fused CPU flash path)
-            o = F.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=True, scale=scale, enable_gqa=group > 1
-            )
-        else:
-            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-            k_pos = torch.arange(kv_len, device=q.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=group > 1
-            )
-        out[start:end] = o.transpose(0, 1).to(out.dtype)
+        _attend_chunk(q[start:end], k, v, scale, out[start:end])
     return out
+
+
+# Query rows per GEMM pass: small enough that a pass skips most keys past its last row (causal),
+# large enough for the GEMMs to run at speed. Measured on the default model's heads: 2-4x faster
+# than the CPU's scaled_dot_product_attention (float32, with a mask), 400 x 400 to 2,048 x 2,048.
+_PREFILL_ROWS = 64
+_PREFILL_SCORE_BYTES = 8 << 20
+
+
+def _attend_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """q [q_len, Hq, D] are the last q_len of the kv_len positions of k/v [kv_len, Hkv, D]; writes
+    causal attention into out [q_len, Hq, D]. Float32 GEMMs over the query rows of a KV head's
+    group at once ([G * rows, D] @ [D, keys]), a pass of rows at a time: a pass reads only the
+    keys its last row can see and masks only its own n x n corner."""
+    q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    past = kv_len - q_len
+    kf = k.permute(1, 0, 2).float()  # [Hkv, kv_len, D]
+    vf = v.permute(1, 0, 2).float()
+    rows = max(1, min(_PREFILL_ROWS, _PREFILL_SCORE_BYTES // (num_heads * kv_len * 4)))
+    for i0 in range(0, q_len, rows):
+        n = min(rows, q_len - i0)
+        keys = past + i0 + n  # the last row of this pass sees keys [0, keys)
+        qg = q[i0 : i0 + n].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qg = qg.reshape(num_kv_heads, group * n, head_dim).float() * scale
+        s = torch.bmm(qg, kf[:, :keys].transpose(1, 2))  # [Hkv, G * n, keys]
+        # Row r sits at position past + i0 + r: of the last n keys it sees the first r + 1.
+        corner = s.view(num_kv_heads, group, n, keys)[..., keys - n :]
+        corner.masked_fill_(_upper(n, q.device), float("-inf"))
+        o = torch.bmm(torch.softmax(s, dim=-1), vf[:, :keys])  # [Hkv, G * n, D]
+        out[i0 : i0 + n] = (
+            o.view(num_kv_heads, group, n, head_dim)
+            .permute(2, 0, 1, 3)
+            .reshape(n, num_heads, head_dim)
+        )
+
+
+_upper_cache: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _upper(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] bool, True above the diagonal (keys ahead of the row)."""
+    key = (n, str(device))
+    mask = _upper_cache.get(key)
+    if mask is None:
+        mask = torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
+        if len(_upper_cache) < 256:
+            _upper_cache[key] = mask
+    return mask
 
 
 @triton.jit
