@@ -68,6 +68,7 @@ class Transfer:
     sender_done: bool = False  # KVDone or KVAbort came: the sender writes no more
     released_at: float | None = None  # released before the sender was done (shared memory)
     writer: ProcessId | None = None  # shm: the prefill process that may write into the area
+    sender: ProcessId | None = None  # the prefill process on this host that sends the KV
     may_write: bool = True  # False: no process can write into the area (gone, or off-host)
 
     @property
@@ -150,6 +151,12 @@ class KVReceiver(WrapsPool):
                 )
             t = Transfer(request_id, offset, layout, time.monotonic() + deadline_s)
             t.pieces = [[] for _ in range(self.num_layers)]
+            if sender_pid > 0 and (not sender_host or sender_host == self.host):
+                # Watched while the transfer runs: a sender SIGKILLed mid-transfer takes its
+                # unsent layers and KVDone with it, and the router, which may already have its
+                # first token, no longer waits on it; expire() fails the transfer at once
+                # rather than at the deadline.
+                t.sender = identify(sender_pid)
             if self.local_writers and sender_pid > 0:
                 if sender_host and sender_host != self.host:
                     t.may_write = False  # it cannot map this host's memory: it sends frames
@@ -224,6 +231,13 @@ class KVReceiver(WrapsPool):
                     self._end(
                         t,
                         f"the KV transfer did not finish within its deadline; "
+                        f"{sum(map(len, t.pieces))} of {self.num_layers}+ pieces came",
+                    )
+                    out.append(t.request_id)
+                elif not t.finished and t.sender is not None and is_gone(t.sender):
+                    self._end(
+                        t,
+                        f"the prefill worker sending it (pid {t.sender.pid}) is gone; "
                         f"{sum(map(len, t.pieces))} of {self.num_layers}+ pieces came",
                     )
                     out.append(t.request_id)

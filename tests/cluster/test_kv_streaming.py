@@ -7,6 +7,8 @@ fails transfers that are corrupt, incomplete, duplicated or late."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -369,6 +371,31 @@ def test_tcp_frames_of_the_wrong_size_fail_and_stay_in_their_area(sizes, words):
         send_layers(rx, arena, other, [(layer, 0, 2) for layer in range(L)], 0, True, rid="o")
         assert wait_event(rx) == "o" and other.ok, other.error
     finally:
+        rx.close()
+        arena.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_sender_killed_mid_transfer_fails_it_at_once(transport):
+    # A prefill worker SIGKILLed after the router has its first token takes its unsent layers
+    # and KVDone with it; the decode side must not wait for the (long) transfer deadline.
+    kv, arena, rx = synthetic(transport)
+    sender = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        t = rx.expect("r", 10, 600.0, sender_pid=sender.pid, sender_host=rx.host)
+        far = rx.expect("f", 10, 600.0, sender_pid=sender.pid, sender_host="another-host")
+        assert rx.expire(time.monotonic()) == []  # alive: keep waiting
+        sender.kill()
+        sender.wait(timeout=10)
+        assert rx.expire(time.monotonic()) == ["r"]
+        assert not t.ok and "is gone" in t.error, t.error
+        assert not far.finished  # another host's process cannot be watched from here
+        rx.release("r")
+        rx.release("f")
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(timeout=10)
         rx.close()
         arena.close()
 
