@@ -1,14 +1,14 @@
 /* Paged decode attention on the CPU: one query token per sequence over its paged KV cache.
 
    The C counterpart of decode_attention_ref (engine/kernels/decode_attention.py), built at run
-   time by engine/kernels/native.py and called through ctypes. The torch reference gathers every
+   time by engine/kernels/native/__init__.py and called through ctypes. The torch reference gathers every
    sequence's blocks into a copy, converts it to float32 and runs batched matmuls: the KV crosses
    memory three or four times, through a dozen ops per layer. Here each K and V row is read once,
    straight from its paged block, converted in registers and consumed.
 
    Work items are (sequence, chunk of CHUNK tokens): every query head of the sequence over that
-   chunk's keys (the chunk's block rows are contiguous across KV heads, so a block is read whole,
-   once). A sequence's chunks are merged by log-sum-exp in a fixed order. A sequence's result
+   chunk's keys and values (a chunk's K and V, up to 256 tokens x KV heads x head_dim, stay in
+   the core's cache while its heads go over them). A sequence's chunks are merged by log-sum-exp in a fixed order. A sequence's result
    therefore depends only on its own length, never on the batch it runs in or the thread count.
 
    Numerics: scores, softmax and the weighted sum in float32 (exp by a degree-6 polynomial,
