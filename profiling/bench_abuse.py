@@ -25,7 +25,6 @@ import json
 import multiprocessing
 import os
 import resource
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.client import AsyncRPCClient  # noqa: E402
+from engine.ports import free_port
 
 ATTACKS = ("slowloris", "large-prompt", "flood", "rpc-never-reads")
 PROBE_ADDRESS = "127.0.0.2"
@@ -56,18 +56,12 @@ class Phase:
     peak_rss: int = 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(kind: str, engine_args: list[str]) -> tuple[subprocess.Popen, str]:
     if kind == "serve":
-        port = _free_port()
+        port = free_port()
         target, extra = f"http://127.0.0.1:{port}", ["--port", str(port)]
     else:
-        target = f"tcp://127.0.0.1:{_free_port()}"
+        target = f"tcp://127.0.0.1:{free_port()}"
         extra = ["--address", target]
     cmd = [sys.executable, "-m", "engine", kind, *extra, *engine_args, "--log-level", "error"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -27,7 +27,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.ports import free_port
 from profiling.bench_offline import ceilings  # noqa: E402
 from profiling.bench_serve import load_tokenizer  # noqa: E402
 from profiling.workload import WORDS  # noqa: E402
@@ -143,12 +143,6 @@ def summarize(results: list[dict], duration: float) -> dict:
 
 
 # -- servers --------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

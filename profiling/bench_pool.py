@@ -50,6 +50,7 @@ from engine.kvcache.eviction import POLICIES, make_policy  # noqa: E402
 from engine.kvcache.namespace import KVNamespace  # noqa: E402
 from engine.kvcache.ssd_tier import SsdTier  # noqa: E402
 from engine.kvcache.tier import Tier  # noqa: E402
+from engine.ports import free_port
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE_BLOCK_TOKENS = 512
@@ -478,14 +479,6 @@ def _wait_port(port: int, timeout: float = 30.0) -> None:
             time.sleep(0.1)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def zmq_tcp_rates(src: np.ndarray, repeats: int) -> tuple[float, float]:
     """Raw ZeroMQ DEALER->ROUTER over TCP loopback, one block per round trip: put, get GB/s."""
     import zmq
@@ -545,7 +538,7 @@ def service_rows(ns, keys, src, dst, repeats, mem, zmq_put, zmq_get) -> list[Row
     (against memcpy) and over TCP (against raw ZeroMQ TCP)."""
     from engine.kvcache.pool_client import PoolClientTier
 
-    port = _free_port()
+    port = free_port()
     dram = f"{(src.nbytes >> 20) + 64}MiB"
     proc, _ = _spawn(
         [
@@ -600,7 +593,7 @@ def mooncake_rows(ns, keys, src, dst, repeats, zmq_put, zmq_get) -> list[Row]:
     master_bin = shutil.which("mooncake_master") or os.path.join(
         os.path.dirname(sys.executable), "mooncake_master"
     )
-    rpc, http, metrics = _free_port(), _free_port(), _free_port()
+    rpc, http, metrics = free_port(), free_port(), free_port()
     master = subprocess.Popen(
         [
             master_bin,
@@ -629,7 +622,7 @@ def mooncake_rows(ns, keys, src, dst, repeats, zmq_put, zmq_get) -> list[Row]:
                 "--dram",
                 "1MiB",
                 "--port",
-                str(_free_port()),
+                str(free_port()),
                 "--mooncake",
                 f"{url}&segment={segment}",
             ],

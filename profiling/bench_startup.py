@@ -20,25 +20,20 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from engine.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def time_to_healthy(serve_args: list[str], env: dict, timeout: float = 300.0) -> float:
     import httpx
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "engine", "serve", "--port", str(port), *serve_args]
     t0 = time.perf_counter()
     proc = subprocess.Popen(

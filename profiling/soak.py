@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,8 @@ import httpx
 import numpy as np
 import psutil
 
+from engine.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PREFIXES = [
     "You answer questions about astronomy briefly and precisely. ",
@@ -37,12 +38,6 @@ PREFIXES = [
     "You are a travel guide for small European towns; answer in one sentence. ",
 ]
 TOPICS = ["the Moon", "Mars", "bread", "rice", "Bruges", "Hallstatt", "comets", "soup", "tides"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Soak:

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import NamedTuple
 
+from engine.ports import free_port
+
 log = logging.getLogger(__name__)
 
 
@@ -38,12 +40,6 @@ def load_model_meta(model: str) -> ModelMeta:
         path = os.path.join(path, ggufs[0])
     ckpt = load_hf_checkpoint(path) if os.path.isdir(path) else load_gguf_checkpoint(path)
     return ModelMeta(ckpt.config, ckpt.tokenizer, path)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

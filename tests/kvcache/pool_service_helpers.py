@@ -4,39 +4,16 @@ started as a real subprocess (killed by the caller in `finally`)."""
 from __future__ import annotations
 
 import os
-import random
 import selectors
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from engine.kvcache.namespace import KVNamespace
+from engine.ports import free_port  # noqa: F401  (the tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on, below the kernel's ephemeral range: a port from that
-    range can be taken between this check and the server's bind by any outgoing connection's
-    local end or any bind to port 0 (a chaos run lost its pool service that way)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768
-    for _ in range(200):
-        port = random.randint(min(20000, ephemeral_low // 2), ephemeral_low - 1)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # everything below the range busy: take the kernel's pick
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def small_namespace(digest: str = "test-model", layers: int = 2) -> KVNamespace:

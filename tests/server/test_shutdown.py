@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,8 @@ import time
 import httpx
 import pytest
 from serverutil import MAX_MODEL_LEN, MODEL
+
+from engine.ports import free_port
 
 ENGINE_ARGS = [
     "--model",
@@ -25,12 +26,6 @@ ENGINE_ARGS = [
     "0.25",
 ]
 START_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(*args: str, engine_args: list[str] = ENGINE_ARGS) -> subprocess.Popen:
@@ -82,7 +77,7 @@ class _Stream(threading.Thread):
 
 
 def test_sigterm_drains_then_exits_zero():
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = _start("serve", "--port", str(port), "--drain-timeout", "8")
     try:
@@ -124,7 +119,7 @@ def test_sigterm_drains_then_exits_zero():
 def test_rpc_sigterm_exits_zero():
     from engine.client import RPCClient
 
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     proc = _start("rpc", "--address", address, "--drain-timeout", "3")
     try:
         with RPCClient(address, timeout=START_TIMEOUT_S) as client:
@@ -190,7 +185,7 @@ def test_drain_deadline_holds_with_a_long_prefill_waiting():
     not an error event. The bound checked is the contract (the deadline plus one small step
     and the exit), with slack for a loaded CPU; before the fix the exit waited for a whole
     prefill of 6,000 tokens (tens of seconds) and the stream got "the engine stopped"."""
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     args = ["--model", MODEL, "--max-model-len", "8192", "--kv-cache-memory-gb", "1"]
     args += ["--max-num-seqs", "1"]  # the long prompt waits until the short stream is done
@@ -219,7 +214,7 @@ def test_drain_deadline_holds_with_a_long_prefill_waiting():
 def test_second_sigterm_exits_cleanly():
     """A second SIGTERM aborts what is in flight at the end of the current step and exits 0:
     no C++ abort (exit 134), and the client's stream ends with finish_reason "abort"."""
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = _start("serve", "--port", str(port), "--drain-timeout", "60")
     try:
