@@ -151,19 +151,20 @@ class KVReceiver(WrapsPool):
                 )
             t = Transfer(request_id, offset, layout, time.monotonic() + deadline_s)
             t.pieces = [[] for _ in range(self.num_layers)]
-            if sender_pid > 0 and (not sender_host or sender_host == self.host):
-                # Watched while the transfer runs: a sender SIGKILLed mid-transfer takes its
-                # unsent layers and KVDone with it, and the router, which may already have its
-                # first token, no longer waits on it; expire() fails the transfer at once
-                # rather than at the deadline.
+            local = not sender_host or sender_host == self.host
+            if sender_pid > 0 and local:
+                # Identified while the router still counts it alive, so a pid reused later is
+                # told apart. Watched while the transfer runs: a sender SIGKILLed mid-transfer
+                # takes its unsent layers and KVDone with it, and the router, which may already
+                # have its first token, no longer waits on it; expire() fails the transfer at
+                # once rather than at the deadline.
                 t.sender = identify(sender_pid)
             if self.local_writers and sender_pid > 0:
-                if sender_host and sender_host != self.host:
+                if not local:
                     t.may_write = False  # it cannot map this host's memory: it sends frames
                 else:
-                    # Identified while the router still counts it alive, so a pid reused later
-                    # is told apart; gone already, it will never write (no PrefillRequest).
-                    t.writer = identify(sender_pid)
+                    # Gone already, it will never write (no PrefillRequest).
+                    t.writer = t.sender
                     t.may_write = t.writer is not None
             self._transfers[request_id] = t
             self.counters["transfers"] += 1

@@ -308,7 +308,6 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits) 
     return out
 
 
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NATIVE_ERRORS = {
     -1: "more than 256 query heads, or a block size that does not divide 256",
     -2: "out of memory for the kernel's scratch",
@@ -335,8 +334,9 @@ def decode_attention_native(
     from engine.kernels import native
 
     out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, out=out)
-    for name, t in {**tensors, "seq_lens": seq_lens}.items():
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                   seq_lens=seq_lens, out=out)  # fmt: skip
+    for name, t in tensors.items():
         if t.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU for the C kernel, got {t.device}")
     batch, num_heads, head_dim = q.shape
@@ -351,7 +351,7 @@ def decode_attention_native(
     if seq_lens.dtype != torch.int32:
         seq_lens = seq_lens.to(torch.int32)
     rc = lib.engine_decode_attention(
-        _NATIVE_DTYPES[q.dtype],
+        native.DTYPE_CODES[q.dtype],
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

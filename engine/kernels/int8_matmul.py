@@ -5,8 +5,8 @@ step: int8 halves bf16's. The reference reads the int8 weight directly through
 ``torch._weight_int8pack_mm`` for a few rows (a GEMV-shaped kernel) and dequantizes once per call
 for more rows (prefill), where the 16-bit GEMM's FLOPs dominate anyway. On the CPU the few-row
 case runs the C kernel of native/int8_matmul.c instead: over the default model's 120 projections
-(weights streamed from memory, as in a decode step) 7.3 against 9.5-10.7 ms at 1 row and 6.8
-against 12.1 ms at 2 rows here.
+(weights streamed from memory, as in a decode step) 7.3 against 9.4 ms at 1 row and 8.1 against
+11.3 ms at 2 rows here (profiling/bench_int8.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from engine.kernels._launch import check_tensor
 # Rows up to which a weight-streaming kernel beats dequantize + 16-bit GEMM (measured on
 # AVX512-BF16); also the C kernel's limit.
 INT8_GEMV_MAX_ROWS = 8
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def int8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -38,7 +37,7 @@ def int8_matmul_native(
     kernel (each int8 row read once for every row of x, float32 sums), more by the reference."""
     from engine.kernels import native
 
-    check_tensor("x", x, ndim=2, dtypes=tuple(_NATIVE_DTYPES), last_contiguous=True)
+    check_tensor("x", x, ndim=2, dtypes=tuple(native.DTYPE_CODES), last_contiguous=True)
     check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int8,), contiguous=True)
     check_tensor("qweight", qweight, shape=(None, x.shape[1]))
     check_tensor("scales", scales, dtypes=(x.dtype,), shape=(qweight.shape[0],), contiguous=True)
@@ -53,7 +52,7 @@ def int8_matmul_native(
         raise native.NativeUnavailable("the C kernels are not built here")
     y = torch.empty(rows, qweight.shape[0], dtype=x.dtype)
     rc = lib.engine_int8_matmul(
-        _NATIVE_DTYPES[x.dtype],
+        native.DTYPE_CODES[x.dtype],
         x.data_ptr(),
         qweight.data_ptr(),
         scales.data_ptr(),

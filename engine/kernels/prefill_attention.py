@@ -99,27 +99,14 @@ def _attend_chunk(
         s = torch.bmm(qg, kf[:, :keys].transpose(1, 2))  # [Hkv, G * n, keys]
         # Row r sits at position past + i0 + r: of the last n keys it sees the first r + 1.
         corner = s.view(num_kv_heads, group, n, keys)[..., keys - n :]
-        corner.masked_fill_(_upper(n, q.device), float("-inf"))
+        ahead = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+        corner.masked_fill_(ahead, float("-inf"))
         o = torch.bmm(torch.softmax(s, dim=-1), vf[:, :keys])  # [Hkv, G * n, D]
         out[i0 : i0 + n] = (
             o.view(num_kv_heads, group, n, head_dim)
             .permute(2, 0, 1, 3)
             .reshape(n, num_heads, head_dim)
         )
-
-
-_upper_cache: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def _upper(n: int, device: torch.device) -> torch.Tensor:
-    """[n, n] bool, True above the diagonal (keys ahead of the row)."""
-    key = (n, str(device))
-    mask = _upper_cache.get(key)
-    if mask is None:
-        mask = torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
-        if len(_upper_cache) < 256:
-            _upper_cache[key] = mask
-    return mask
 
 
 @triton.jit

@@ -25,11 +25,16 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 from engine import envs
 
 logger = logging.getLogger(__name__)
 
 SOURCES = ("decode_attention.c", "int8_matmul.c")
+HEADERS = ("dtypes.h",)
+# The element types the kernels take, by the codes of dtypes.h.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
 _HERE = Path(__file__).resolve().parent
 
@@ -79,7 +84,7 @@ def _build_key(cc: str) -> str:
     h.update(" ".join(FLAGS).encode())
     h.update(platform.machine().encode())
     h.update(_cpu_flags().encode())
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         h.update((_HERE / name).read_bytes())
     return h.hexdigest()[:20]
 
@@ -109,8 +114,7 @@ def _build(cc: str) -> Path:
 
 
 def _load() -> ctypes.CDLL:
-    import torch  # noqa: F401  (its libgomp.so.1 must be loaded first, so the kernels share it)
-
+    # torch (imported above) has loaded its libgomp.so.1, so the kernels' OpenMP resolves to it.
     cc = compiler()
     if cc is None:
         raise NativeUnavailable("no C compiler (set CC, or install gcc)")
@@ -142,7 +146,3 @@ def library() -> ctypes.CDLL | None:
     if lib is None and envs.kernel_backend() == "native":
         raise NativeUnavailable(str(_state["error"]))
     return lib  # type: ignore[return-value]
-
-
-def available() -> bool:
-    return library() is not None

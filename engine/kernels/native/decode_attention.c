@@ -23,25 +23,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dtypes.h"
+
 #define CHUNK 256 /* tokens per work item; a multiple of every block size the engine allows */
 #define MAX_HEADS 256
 #define MAX_DIM 256
-
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
 
 /* a . b over n floats. gcc reduces an `omp simd` sum lane by lane through memory, which made
    the per-token dots the kernel's bottleneck; with AVX-512 the lanes are summed as a tree. */
@@ -135,6 +121,7 @@ static void values_generic(const Args *a, const int32_t *table, int t0, int t1,
                            const float *probs, float *acc) {
     const int HK = a->kv_heads, D = a->dim, G = a->heads / HK;
     float row[MAX_DIM];
+    memset(acc, 0, sizeof(float) * (size_t)a->heads * (size_t)D);
     for (int t = t0; t < t1; t++)
         for (int kh = 0; kh < HK; kh++) {
             load_row(a->dt, a->v, row_offset(table, t, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh),
@@ -272,7 +259,6 @@ static void attend_chunk(const Args *a, int b, int t0, int t1, float *scores, fl
         }
         m[h] = mx;
         l[h] = sum;
-        memset(acc + (size_t)h * D, 0, sizeof(float) * (size_t)D);
     }
     values_fn(a, table, t0, t1, scores, acc);
 }

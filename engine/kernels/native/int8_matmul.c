@@ -13,37 +13,10 @@
 #include <immintrin.h>
 #endif
 
+#include "dtypes.h"
+
 #define MAX_ROWS 8
 #define ROW_BLOCK 16 /* output rows per work item */
-
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-static inline float to_f32(int dt, const void *p, int64_t i) {
-    if (dt == DT_BF16) {
-        union { uint32_t u; float f; } v;
-        v.u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        return v.f;
-    }
-    if (dt == DT_F16) return (float)((const _Float16 *)p)[i];
-    return ((const float *)p)[i];
-}
-
-static inline void from_f32(int dt, void *p, int64_t i, float f) {
-    if (dt == DT_BF16) {
-        union { uint32_t u; float f; } v;
-        v.f = f;
-        if ((v.u & 0x7fffffffu) > 0x7f800000u) {
-            ((uint16_t *)p)[i] = 0x7fc0;
-            return;
-        }
-        v.u += 0x7fffu + ((v.u >> 16) & 1u);
-        ((uint16_t *)p)[i] = (uint16_t)(v.u >> 16);
-    } else if (dt == DT_F16) {
-        ((_Float16 *)p)[i] = (_Float16)f;
-    } else {
-        ((float *)p)[i] = f;
-    }
-}
 
 #if defined(__AVX512F__)
 static inline __m512 widen16(const int8_t *w) {
@@ -91,7 +64,7 @@ int engine_int8_matmul(int dt, const void *x, const int8_t *w, const void *scale
     float *xf = malloc(sizeof(float) * (size_t)rows * (size_t)(K > 0 ? K : 1));
     if (!xf) return -2;
     for (int m = 0; m < rows; m++)
-        for (int64_t k = 0; k < K; k++) xf[m * K + k] = to_f32(dt, x, m * sx + k);
+        for (int64_t k = 0; k < K; k++) xf[m * K + k] = load_f32(dt, x, m * sx + k);
     const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -99,8 +72,8 @@ int engine_int8_matmul(int dt, const void *x, const int8_t *w, const void *scale
         for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
             float dots[MAX_ROWS];
             row_dots(xf, rows, K, w + n * K, dots);
-            const float s = to_f32(dt, scales, n);
-            for (int m = 0; m < rows; m++) from_f32(dt, y, m * sy + n, dots[m] * s);
+            const float s = load_f32(dt, scales, n);
+            for (int m = 0; m < rows; m++) store_f32(dt, y, m * sy + n, dots[m] * s);
         }
     }
     free(xf);
