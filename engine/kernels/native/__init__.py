@@ -4,7 +4,7 @@ On the CPU the engine's hot paths were torch references: a dozen ops per layer, 
 memory. The C sources beside this file do the same work in one pass (each lives next to the
 Triton kernel and the torch reference of its family, and has the same signature behind its
 launcher). They are compiled once per source, compiler and CPU into ``ENGINE_CACHE_DIR/native``
-(``~/.cache/engine/native``), in well under a second, with ``-O3 -march=native -fopenmp``; later
+(``~/.cache/engine/native``), in about a second, with ``-O3 -march=native -fopenmp``; later
 processes load the cached library. OpenMP comes from the ``libgomp.so.1`` torch has already
 loaded, so a kernel's threads are torch's own team, not a second one competing for the cores.
 
