@@ -42,7 +42,9 @@ class StepInputs:
 class ModelRunner:
     """Runs the model on scheduled steps. ``quantization="int8"`` swaps the model's weights for
     int8 ones; ``compile=True`` compiles the decoder layers' dense parts (see compile_layers);
-    ``pack_weights=True`` packs bf16 CPU weights for oneDNN (LlamaForCausalLM.pack_weights_)."""
+    ``pack_weights=True`` packs bf16 CPU weights for oneDNN (LlamaForCausalLM.pack_weights_).
+    Decode-only steps of a few sequences run through the C decoder layers where they apply
+    (LlamaForCausalLM.enable_native_decode)."""
 
     def __init__(
         self,
@@ -72,6 +74,9 @@ class ModelRunner:
         self.packed = (
             pack_weights and quantization is None and not compile and model.pack_weights_()
         )
+        # Small decode-only steps by the C decoder layers where they apply (not under compile,
+        # which was asked for by name).
+        self.native_decode = not compile and model.enable_native_decode()
 
     def prepare(
         self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, list[int]]

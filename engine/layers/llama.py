@@ -10,11 +10,14 @@ from collections.abc import Callable
 
 import torch
 
+from engine import kernels
 from engine.config import ModelConfig
 from engine.layers.attention import PagedAttention
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.linear import Linear, pack_bf16, packed_linear
 from engine.layers.mlp import GatedMLP
+from engine.layers.native_decode import MAX_ROWS as NATIVE_DECODE_MAX_ROWS
+from engine.layers.native_decode import NativeDecoder
 from engine.layers.quant import int8_linear, quantize_int8
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -108,6 +111,37 @@ class LlamaForCausalLM(torch.nn.Module):
         self.lm_qweight: torch.Tensor | None = None  # int8 LM head (quantize_int8_)
         self.lm_scales: torch.Tensor | None = None
         self.lm_packed: torch.Tensor | None = None  # oneDNN-packed bf16 LM head (pack_weights_)
+        self.native_decode = False  # small decode steps by the C layers (enable_native_decode)
+        self._native: NativeDecoder | None = None  # bound to the weights and cache as they are
+
+    def enable_native_decode(self) -> bool:
+        """Run decode-only steps of up to NATIVE_DECODE_MAX_ROWS sequences through the C decoder
+        layers (layers/native_decode.py) where they apply: a 16-bit model on the CPU whose C
+        kernels build here. ENGINE_KERNELS=torch turns them off at any time. Returns whether
+        they are on."""
+        self.native_decode = (
+            self.dtype in (torch.bfloat16, torch.float16)
+            and self.embed_tokens.device.type == "cpu"
+            and kernels.use_native(self.embed_tokens.device)
+        )
+        self._native = None
+        return self.native_decode
+
+    def _native_decoder(self, meta: AttentionMetadata, rows: int) -> NativeDecoder | None:
+        if (
+            not self.native_decode
+            or rows > NATIVE_DECODE_MAX_ROWS
+            or meta.has_prefill
+            or meta.num_decode_tokens != rows
+            or rows == 0
+            or not kernels.use_native(self.embed_tokens.device)
+        ):
+            return None
+        if self._native is None:
+            from engine.kernels import native
+
+            self._native = NativeDecoder(self, native.library(), native.DTYPE_CODES)
+        return self._native
 
     @torch.no_grad()
     def pack_weights_(self) -> bool:
@@ -134,11 +168,13 @@ class LlamaForCausalLM(torch.nn.Module):
             for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 lin.quantize_int8_()
         self.lm_qweight, self.lm_scales = quantize_int8(self.lm_head, self.dtype)
+        self._native = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D]; each layer gets its views."""
         for i, layer in enumerate(self.layers):
             layer.attn.bind_cache(kv_cache[i, 0], kv_cache[i, 1])
+        self._native = None
 
     def forward(
         self,
@@ -150,6 +186,9 @@ class LlamaForCausalLM(torch.nn.Module):
         """Returns final hidden states [T, hidden]. ``layer_hook(i)`` runs after layer i wrote its
         KV (the cluster streams that layer's KV from there)."""
         hidden = self.embed_tokens[input_ids]
+        native = self._native_decoder(meta, hidden.shape[0])
+        if native is not None:
+            return self.norm(native.run(hidden, positions, meta, layer_hook))
         for i, layer in enumerate(self.layers):
             hidden = layer(positions, hidden, meta)
             if layer_hook is not None:
@@ -195,6 +234,7 @@ class LlamaForCausalLM(torch.nn.Module):
                     f"expected {p.dtype} {list(p.shape)}"
                 )
             p.data = t.to(p.device)
+        self._native = None
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "") -> None:

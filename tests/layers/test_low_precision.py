@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig
+from engine.kernels import native
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -82,6 +83,11 @@ def test_top1_agreement_with_float32_and_chat_answers(reference, dtype, kw, min_
     assert llm.engine.dtype == torch.bfloat16
     agree = agreement(llm, ids, ref_top1)
     assert agree >= min_agreement, f"top-1 agreement with float32 {agree:.3f}"
+    # Teacher-forced one token at a time: decode steps, run by the C layers where they build.
+    assert llm.engine.runner.native_decode == (native.compiler() is not None)
+    decoded = llm.engine.prompt_logits(ids, chunk_size=1).argmax(-1)
+    agree = (decoded == ref_top1).float().mean().item()
+    assert agree >= min_agreement, f"decode steps: top-1 agreement with float32 {agree:.3f}"
     for (_, want), got in zip(QUESTIONS, chat_answers(llm)):
         assert want in got
 
@@ -132,6 +138,8 @@ def test_packed_bf16_weights_give_the_same_logits_bit_for_bit():
     """pack_weights (the default) keeps a oneDNN-blocked copy of every bf16 projection and of
     the LM head: a pure speed change, so the logits equal the unpacked model's exactly."""
     packed, plain = make("bfloat16"), make("bfloat16", pack_weights=False)
+    for llm in (packed, plain):  # small decode steps would run in the C layers, not packed
+        llm.engine.model.native_decode = False
     assert packed.engine.runner.packed and not plain.engine.runner.packed
     layer = packed.engine.model.layers[0]
     assert layer.qkv_proj.packed is not None and packed.engine.model.lm_packed is not None

@@ -31,8 +31,8 @@ from engine import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.c", "int8_matmul.c")
-HEADERS = ("dtypes.h",)
+SOURCES = ("decode_attention.c", "decode_layer.c", "int8_matmul.c")
+HEADERS = ("dtypes.h", "gemv.h")
 # The element types the kernels take, by the codes of dtypes.h.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
@@ -48,6 +48,8 @@ _SIGNATURES = {
     "engine_decode_attention": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
     + [_I64] * 13
     + [_F, _I],
+    # layer, step, hidden (structs of native_decode.py)
+    "engine_decode_layer": [_P, _P, _P],
     # dtype, x, qweight, scales, y, rows, N, K, x row stride, y row stride, threads
     "engine_int8_matmul": [_I, _P, _P, _P, _P, _I, _I64, _I64, _I64, _I64, _I],
 }

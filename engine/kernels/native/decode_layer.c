@@ -1,0 +1,195 @@
+/* One Llama-family decoder layer for a decode step of a few sequences, in one call.
+
+   At batch 1 the torch forward of a layer is two dozen small ops (RMSNorm, projections, rotary,
+   KV store, attention, residuals, SwiGLU), each a Python call and a pass over a few KB: a step of
+   the default model spent 5-7 ms of its 18 (int8) in that overhead, more than it spent reading
+   its weights. Here the layer runs in C from the hidden states to the hidden states: the weights
+   stream through gemv.h's row dots (int8 with per-row scales, or 16-bit/float32 as stored),
+   attention is decode_attention.c's, and the small elementwise parts run in place.
+
+   The C counterpart of DecoderLayer.forward (engine/layers/llama.py) for decode-only steps of up
+   to GEMV_MAX_ROWS sequences, driven by engine/layers/native_decode.py. Numerics follow the torch
+   layer: every value the torch layer stores in the model's dtype is rounded to it here at the same
+   point (RMSNorm statistics, rotary, softmax and all sums in float32). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtypes.h"
+#include "gemv.h"
+
+#define ROW_BLOCK 16 /* output rows per work item */
+#define MAX_DIM 256
+
+int engine_decode_attention(int dt, const void *q, const void *k_cache, const void *v_cache,
+                            void *out, const int32_t *block_tables, const int32_t *seq_lens,
+                            int batch, int heads, int kv_heads, int dim, int block_size,
+                            int64_t num_blocks, int64_t table_width, int64_t sq_b, int64_t sq_h,
+                            int64_t sk_b, int64_t sk_s, int64_t sk_h, int64_t sv_b, int64_t sv_s,
+                            int64_t sv_h, int64_t so_b, int64_t so_h, int64_t s_bt, float scale,
+                            int num_threads);
+
+/* A projection y = x W^T (* scales) (+ bias). Field order is mirrored by native_decode.py. */
+typedef struct {
+    int wt;             /* weight code (gemv.h): the model dtype's, or W_I8 */
+    const void *w;      /* [n, k] contiguous */
+    const void *scales; /* [n] in the model dtype (int8 only) */
+    const void *bias;   /* [n] in the model dtype, or NULL */
+    int64_t n, k;
+} Proj;
+
+typedef struct {
+    int dt; /* the model dtype: activations, norms, biases, scales and the KV cache */
+    int hidden, heads, kv_heads, dim, inter, qk_norm, block_size;
+    float eps, scale;
+    const void *ln1, *ln2, *q_norm, *k_norm; /* [hidden], [hidden], [dim], [dim] (or NULL) */
+    Proj qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, dim], last dim contiguous */
+    int64_t num_blocks, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h;
+} Layer;
+
+typedef struct {
+    int rows, threads;
+    const int64_t *positions, *slots; /* [rows]; slot -1: not written */
+    const int32_t *block_tables;      /* [rows, table_width], row stride s_bt */
+    const int32_t *seq_lens;          /* [rows], including this token */
+    int64_t table_width, s_bt;
+    const float *cos, *sin_signed; /* [max_pos, dim] (RotaryEmbedding's tables) */
+    int64_t max_pos;
+} Step;
+
+/* f rounded to dtype dt, as float32: where the torch layer stores a tensor in the model dtype. */
+static inline float rnd(int dt, float f) {
+    if (dt == DT_BF16) return bf16_to_f32(f32_to_bf16(f));
+    if (dt == DT_F16) return (float)(_Float16)f;
+    return f;
+}
+
+/* y[m * n + j] = rnd(x[m] . w[j] * scale[j]) (+ bias, rounded again) for m < rows. */
+static void project(int dt, const Proj *p, const float *x, int rows, float *y, int threads) {
+    const int64_t N = p->n, K = p->k, blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t wsize = p->wt == W_I8 ? 1 : (p->wt == DT_F32 ? 4 : 2);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
+        for (int64_t j = blk * ROW_BLOCK; j < n1; j++) {
+            float dots[GEMV_MAX_ROWS];
+            row_dots(p->wt, x, rows, K, (const char *)p->w + j * K * wsize, dots);
+            const float s = p->wt == W_I8 ? load_f32(dt, p->scales, j) : 1.f;
+            for (int m = 0; m < rows; m++) {
+                float v = rnd(dt, dots[m] * s);
+                if (p->bias) v = rnd(dt, v + load_f32(dt, p->bias, j));
+                y[(int64_t)m * N + j] = v;
+            }
+        }
+    }
+}
+
+/* out = rnd(w * rnd(h / rms(h))) over n values (RMSNorm as engine/layers/rmsnorm.py). */
+static void rms_norm(int dt, const float *h, const void *w, int n, float eps, float *out) {
+    float ss = 0.f;
+    for (int i = 0; i < n; i++) ss += h[i] * h[i];
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = rnd(dt, load_f32(dt, w, i) * rnd(dt, h[i] * r));
+}
+
+/* x (dim values) rotated in place at one position's cos/sin rows, rounded (rotate-half form). */
+static void rotate(int dt, float *x, const float *cos, const float *sin_signed, int dim) {
+    float t[MAX_DIM];
+    const int half = dim / 2;
+    for (int d = 0; d < dim; d++) t[d] = x[d] * cos[d] + x[(d + half) % dim] * sin_signed[d];
+    for (int d = 0; d < dim; d++) x[d] = rnd(dt, t[d]);
+}
+
+/* Runs layer L on hidden [rows, hidden] (model dtype, contiguous; updated in place), writing the
+   step's K and V into the cache. Returns 0; -1 for shapes beyond the limits or projections that
+   do not fit the layer; -2 without memory; -3 for a position beyond the rotary tables, a slot
+   outside the cache, or a block table that does not cover its sequence (checked before anything
+   is written). */
+int engine_decode_layer(const Layer *L, const Step *S, void *hidden) {
+    const int dt = L->dt, R = S->rows, H = L->hidden, HQ = L->heads, HK = L->kv_heads;
+    const int D = L->dim, I = L->inter;
+    const int64_t QS = (int64_t)HQ * D, KS = (int64_t)HK * D, NQKV = QS + 2 * KS;
+    if (R < 1 || R > GEMV_MAX_ROWS || D > MAX_DIM || D % 2 || HK < 1 || HQ % HK ||
+        L->qkv.n != NQKV || L->qkv.k != H || L->o.n != H || L->o.k != QS ||
+        L->gate_up.n != 2 * (int64_t)I || L->gate_up.k != H || L->down.n != H || L->down.k != I)
+        return -1;
+    const int64_t slots = L->num_blocks * L->block_size;
+    for (int m = 0; m < R; m++)
+        if (S->positions[m] < 0 || S->positions[m] >= S->max_pos || S->slots[m] < -1 ||
+            S->slots[m] >= slots)
+            return -3;
+    for (int m = 0; m < R; m++) {
+        const int64_t len = S->seq_lens[m] > 0 ? S->seq_lens[m] : 0;
+        const int64_t need = (len + L->block_size - 1) / L->block_size;
+        if (need > S->table_width) return -3;
+        for (int64_t j = 0; j < need; j++) {
+            const int32_t b = S->block_tables[m * S->s_bt + j];
+            if (b < 0 || b >= L->num_blocks) return -3;
+        }
+    }
+    /* Float buffers: the hidden states, an activation row set, a projection output; q and the
+       attention output in the model dtype. */
+    const int64_t widest = NQKV > 2 * (int64_t)I ? NQKV : 2 * (int64_t)I;
+    const size_t nf = (size_t)R * ((size_t)H + (size_t)(I > QS ? I : QS) + (size_t)widest);
+    float *hf = malloc(sizeof(float) * nf);
+    void *qd = malloc(sizeof(float) * 2 * (size_t)R * (size_t)QS);
+    if (!hf || !qd) {
+        free(hf), free(qd);
+        return -2;
+    }
+    float *x = hf + (size_t)R * H, *y = x + (size_t)R * (I > QS ? I : QS);
+    void *od = (char *)qd + sizeof(float) * (size_t)R * (size_t)QS;
+    const int th = S->threads;
+    for (int64_t i = 0; i < (int64_t)R * H; i++) hf[i] = load_f32(dt, hidden, i);
+
+    /* Attention: RMSNorm, qkv, (q/k norm), rotary, KV store, paged attention, o_proj. */
+    for (int m = 0; m < R; m++) rms_norm(dt, hf + m * H, L->ln1, H, L->eps, x + m * H);
+    project(dt, &L->qkv, x, R, y, th);
+    for (int m = 0; m < R; m++) {
+        float *row = y + m * NQKV;
+        const float *c = S->cos + S->positions[m] * D, *s = S->sin_signed + S->positions[m] * D;
+        for (int h = 0; h < HQ + HK; h++) {
+            float *v = row + (int64_t)h * D;
+            if (L->qk_norm) rms_norm(dt, v, h < HQ ? L->q_norm : L->k_norm, D, L->eps, v);
+            rotate(dt, v, c, s, D);
+        }
+        for (int64_t i = 0; i < QS; i++) store_f32(dt, qd, m * QS + i, row[i]);
+        const int64_t slot = S->slots[m];
+        if (slot < 0) continue;
+        const int64_t blk = slot / L->block_size, off = slot % L->block_size;
+        for (int h = 0; h < HK; h++)
+            for (int d = 0; d < D; d++) {
+                store_f32(dt, L->k_cache, blk * L->sk_b + off * L->sk_s + h * L->sk_h + d,
+                          row[QS + (int64_t)h * D + d]);
+                store_f32(dt, L->v_cache, blk * L->sv_b + off * L->sv_s + h * L->sv_h + d,
+                          row[QS + KS + (int64_t)h * D + d]);
+            }
+    }
+    int rc = engine_decode_attention(dt, qd, L->k_cache, L->v_cache, od, S->block_tables,
+                                     S->seq_lens, R, HQ, HK, D, L->block_size, L->num_blocks,
+                                     S->table_width, QS, D, L->sk_b, L->sk_s, L->sk_h, L->sv_b,
+                                     L->sv_s, L->sv_h, QS, D, S->s_bt, L->scale, th);
+    if (rc) {
+        free(hf), free(qd);
+        return rc;
+    }
+    for (int64_t i = 0; i < (int64_t)R * QS; i++) x[i] = load_f32(dt, od, i);
+    project(dt, &L->o, x, R, y, th);
+    for (int64_t i = 0; i < (int64_t)R * H; i++) hf[i] = rnd(dt, hf[i] + y[i]);
+
+    /* MLP: RMSNorm, gate_up, SiLU(gate) * up, down. */
+    for (int m = 0; m < R; m++) rms_norm(dt, hf + m * H, L->ln2, H, L->eps, x + m * H);
+    project(dt, &L->gate_up, x, R, y, th);
+    for (int m = 0; m < R; m++)
+        for (int i = 0; i < I; i++) {
+            const float g = y[(int64_t)m * 2 * I + i], u = y[(int64_t)m * 2 * I + I + i];
+            x[(int64_t)m * I + i] = rnd(dt, rnd(dt, g / (1.f + expf(-g))) * u);
+        }
+    project(dt, &L->down, x, R, y, th);
+    for (int64_t i = 0; i < (int64_t)R * H; i++) store_f32(dt, hidden, i, rnd(dt, hf[i] + y[i]));
+    free(hf), free(qd);
+    return 0;
+}

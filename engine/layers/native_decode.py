@@ -1,0 +1,160 @@
+"""Decode steps of a few sequences through the C decoder layer (kernels/native/decode_layer.c).
+
+A batch-1 decode step of the default model is ~30 layers x two dozen small torch ops; on the CPU
+their per-call overhead cost more than reading the weights did. ``NativeDecoder`` describes each
+layer to the C code once (weight pointers, shapes, cache views) and then runs a decode-only step
+of up to ``MAX_ROWS`` sequences as one C call per layer. The torch layers stay the reference and
+serve everything else (prefill chunks, mixed steps, larger batches, float32, compiled layers,
+machines without a C compiler).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+from engine.layers.attention_metadata import AttentionMetadata
+
+MAX_ROWS = 8  # gemv.h's GEMV_MAX_ROWS: beyond it the GEMMs' FLOPs matter and oneDNN wins
+W_I8 = 3  # gemv.h's weight code for int8
+
+_C, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_ERRORS = {
+    -1: "shapes beyond the C layer's limits",
+    -2: "out of memory",
+    -3: "a position, slot or block table outside the cache or rotary tables",
+}
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("wt", _C), ("w", _P), ("scales", _P), ("bias", _P), ("n", _I64), ("k", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("dt", _C),
+        *((name, _C) for name in ("hidden", "heads", "kv_heads", "dim", "inter", "qk_norm")),
+        ("block_size", _C),
+        ("eps", _F),
+        ("scale", _F),
+        *((name, _P) for name in ("ln1", "ln2", "q_norm", "k_norm")),
+        *((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
+        ("k_cache", _P),
+        ("v_cache", _P),
+        *((name, _I64) for name in ("num_blocks", "sk_b", "sk_s", "sk_h", "sv_b", "sv_s", "sv_h")),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("rows", _C),
+        ("threads", _C),
+        *((name, _P) for name in ("positions", "slots", "block_tables", "seq_lens")),
+        ("table_width", _I64),
+        ("s_bt", _I64),
+        ("cos", _P),
+        ("sin_signed", _P),
+        ("max_pos", _I64),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _proj(lin, dtype: torch.dtype, codes: dict[torch.dtype, int]) -> _Proj | None:
+    """The C description of a Linear, or None where its weights are in a form the C layer does
+    not read (a float weight in another dtype than the model's)."""
+    bias = lin.bias
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+        return None
+    if lin.qweight is not None:
+        qw, scales = lin.qweight, lin.scales
+        if not (qw.is_contiguous() and scales.dtype == dtype and scales.is_contiguous()):
+            return None
+        return _Proj(W_I8, qw.data_ptr(), scales.data_ptr(), _ptr(bias), *qw.shape)
+    w = lin.weight
+    if w is None or w.dtype != dtype or not w.is_contiguous():
+        return None
+    return _Proj(codes[dtype], w.data_ptr(), None, _ptr(bias), *w.shape)
+
+
+class NativeDecoder:
+    """The C decoder layers of one LlamaForCausalLM, bound to its weights and KV cache views as
+    they are now: rebuild it when either changes (the model does, see LlamaForCausalLM)."""
+
+    def __init__(self, model, lib: ctypes.CDLL, codes: dict[torch.dtype, int]) -> None:
+        self.lib = lib
+        cfg, dtype = model.cfg, model.dtype
+        self.layers: list[_Layer] = []
+        for layer in model.layers:
+            attn = layer.attn
+            lins = (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            projs = [_proj(lin, dtype, codes) for lin in lins]
+            if any(p is None for p in projs) or attn.k_cache is None:
+                raise ValueError("layer weights or KV cache in a form the C layer does not take")
+            kc, vc = attn.k_cache, attn.v_cache
+            self.layers.append(
+                _Layer(
+                    codes[dtype],
+                    cfg.hidden_size,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    cfg.head_dim,
+                    cfg.intermediate_size,
+                    int(cfg.qk_norm),
+                    kc.shape[1],
+                    cfg.rms_norm_eps,
+                    attn.scale,
+                    layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    layer.q_norm.weight.data_ptr() if cfg.qk_norm else None,
+                    layer.k_norm.weight.data_ptr() if cfg.qk_norm else None,
+                    *projs,
+                    kc.data_ptr(),
+                    vc.data_ptr(),
+                    kc.shape[0],
+                    *kc.stride()[:3],
+                    *vc.stride()[:3],
+                )
+            )
+        self.cos, self.sin = model.rotary.cos, model.rotary.sin_signed
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None,
+    ) -> torch.Tensor:
+        """hidden [T, H] (contiguous, updated in place) through every layer of a decode-only step
+        of T <= MAX_ROWS tokens; ``layer_hook(i)`` after layer i, as in the torch forward."""
+        tables = meta.decode_block_tables
+        if tables.dtype != torch.int32 or tables.stride(1) != 1:
+            tables = tables.to(torch.int32).contiguous()
+        lens = meta.decode_seq_lens.to(torch.int32).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        step = _Step(
+            hidden.shape[0],
+            torch.get_num_threads(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            tables.shape[1],
+            tables.stride(0),
+            self.cos.data_ptr(),
+            self.sin.data_ptr(),
+            self.cos.shape[0],
+        )
+        fn, out = self.lib.engine_decode_layer, hidden.data_ptr()
+        for i, layer in enumerate(self.layers):
+            rc = fn(ctypes.byref(layer), ctypes.byref(step), out)
+            if rc:
+                raise ValueError(f"decode layer {i} (C kernel): {_ERRORS.get(rc, rc)}")
+            if layer_hook is not None:
+                layer_hook(i)
+        return hidden

@@ -1,0 +1,232 @@
+"""The C decoder layers (kernels/native/decode_layer.c via layers/native_decode.py) against the
+torch layers on the same weights and cache: hidden states, the KV written, the layer hook's
+timing, bad input, and when the engine uses them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.kernels import native
+from engine.kvcache.paged_cache import PagedKVCache
+from engine.layers.attention_metadata import AttentionMetadata
+from engine.layers.llama import LlamaForCausalLM
+from engine.layers.native_decode import MAX_ROWS, NativeDecoder
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+
+BLOCK = 16
+
+
+def random_model(dtype, *, qk_norm=False, bias=False, heads=4, kv_heads=2, head_dim=32, seed=0):
+    # hidden 96 and intermediate 160: the row dots' 64- and 16-wide tails are exercised.
+    cfg = ModelConfig(
+        architecture="qwen3" if qk_norm else ("qwen2" if bias else "llama"),
+        vocab_size=64,
+        hidden_size=96,
+        intermediate_size=160,
+        num_layers=2,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=640,
+        attention_bias=bias,
+        qk_norm=qk_norm,
+    )
+    g = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg, dtype, torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    return model
+
+
+def decode_step(seq_lens, num_blocks, g):
+    """AttentionMetadata of one decode step: sequence b has seq_lens[b] tokens (this one
+    last), its blocks a random draw from the pool."""
+    widths = [math.ceil(n / BLOCK) for n in seq_lens]
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(seq_lens), max(widths) + 1), -1, dtype=torch.int32)
+    used = 0
+    for b, w in enumerate(widths):
+        tables[b, :w] = perm[used : used + w]
+        used += w
+    positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64)
+    blocks = tables[torch.arange(len(seq_lens)), positions // BLOCK].long()
+    slots = blocks * BLOCK + positions % BLOCK
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=len(seq_lens),
+        decode_block_tables=tables,
+        decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        decode_max_seq_len=max(seq_lens),
+    )
+    return positions, meta
+
+
+def both_paths(model, seq_lens, seed=0, hook=None, round_to=None):
+    """(native hidden, native cache), (torch hidden, torch cache), the cache before and the
+    metadata of one decode step over a random context (its values rounded to ``round_to``)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(n / BLOCK) for n in seq_lens) + 2
+    cache = PagedKVCache(model.cfg, num_blocks, BLOCK, model.dtype, torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).to(round_to or model.dtype))
+    positions, meta = decode_step(seq_lens, num_blocks, g)
+    ids = torch.randint(0, model.cfg.vocab_size, (len(seq_lens),), generator=g)
+    out = []
+    for native_on in (True, False):
+        kv = cache.kv.clone()
+        model.bind_kv_cache(kv)
+        model.native_decode = native_on
+        with torch.inference_mode():
+            hidden = model(ids, positions, meta, hook if native_on else None)
+        out.append((hidden, kv))
+    return out[0], out[1], cache.kv, meta
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),
+        dict(bias=True, heads=4, kv_heads=1, head_dim=32),  # qkv bias, MQA
+        dict(qk_norm=True, heads=2, kv_heads=2, head_dim=64),  # per-head q/k norm, MHA
+        dict(heads=6, kv_heads=2, head_dim=16),
+    ],
+    ids=["gqa", "bias-mqa", "qk-norm", "dim16"],
+)
+@pytest.mark.parametrize("seq_lens", [[1], [300], [5, 17, 257], [9, 1, 33, 2, 64, 70, 3, 100]])
+def test_float32_matches_the_torch_layers(shape, seq_lens):
+    # float32 rounds nowhere, so the C layer must agree with the torch layer to float32 noise:
+    # any missed term (bias, norm, rotary half, GQA head mapping, residual) shows.
+    model = random_model(torch.float32, **shape)
+    (nh, nkv), (th, tkv), before, meta = both_paths(model, seq_lens)
+    torch.testing.assert_close(nh, th, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(nkv, tkv, rtol=1e-4, atol=1e-4)
+    # only this step's slots were written
+    flat = before.view(2, 2, -1, *before.shape[-2:])
+    changed = (nkv.view_as(flat) != flat).flatten(3).any(-1).any(0).any(0)
+    assert set(changed.nonzero().flatten().tolist()) == set(meta.slot_mapping.tolist())
+
+
+def float32_twin(model):
+    """A float32 model with exactly the weights ``model`` computes with (int8 dequantized)."""
+    twin = random_model(torch.float32, bias=model.cfg.attention_bias)
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            lin = model.get_submodule(name.rsplit(".", 1)[0]) if "proj" in name else None
+            if lin is not None and name.endswith("weight") and lin.qweight is not None:
+                p.copy_(lin.qweight.float() * lin.scales.float()[:, None])
+            else:
+                p.copy_(model.get_parameter(name).float())
+    return twin
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("int8", [False, True], ids=["16-bit", "int8"])
+def test_16_bit_and_int8_weights_are_as_accurate_as_the_torch_layers(dtype, int8):
+    model = random_model(dtype, bias=True)
+    if int8:
+        model.quantize_int8_()
+    seq_lens = [3, 40, 290]
+    (nh, nkv), (th, tkv), _, _ = both_paths(model, seq_lens)
+    # The same weights and context in float32: the error both paths make by rounding to 16 bits
+    # where the model stores its activations. The C layer rounds at the same points; its sums
+    # run in another order, so single values differ by a last bit, but its error is the same.
+    (eh, ekv), _, _, _ = both_paths(float32_twin(model), seq_lens, round_to=dtype)
+    for got, want, exact in ((nh, th, eh), (nkv, tkv, ekv)):
+        native_err = (got.float() - exact).abs().mean()
+        torch_err = (want.float() - exact).abs().mean()
+        assert native_err <= 1.25 * torch_err + 1e-6, (native_err, torch_err)
+        torch.testing.assert_close(got.float(), exact, rtol=0.1, atol=0.1)
+
+
+def test_the_hook_runs_after_each_layer_wrote_its_kv():
+    # The cluster streams layer i's KV from hook(i): it must be written by then.
+    model = random_model(torch.bfloat16)
+    seen = []
+
+    def hook(i):
+        seen.append((i, [layer.attn.k_cache.clone() for layer in model.layers]))
+
+    (_, nkv), _, before, meta = both_paths(model, [20], hook=hook)
+    assert [i for i, _ in seen] == [0, 1]
+    slot = int(meta.slot_mapping[0])
+    at_hook0 = seen[0][1]
+    assert torch.equal(at_hook0[0].flatten(0, 1)[slot], nkv[0, 0].flatten(0, 1)[slot])
+    assert torch.equal(at_hook0[1].flatten(0, 1)[slot], before[1, 0].flatten(0, 1)[slot])
+    assert not torch.equal(nkv[1, 0], before[1, 0])
+
+
+def test_bad_slots_positions_and_tables_raise_and_write_nothing():
+    model = random_model(torch.bfloat16)
+    cache = PagedKVCache(model.cfg, 4, BLOCK, model.dtype, torch.device("cpu"))
+    model.bind_kv_cache(cache.kv)
+    model.native_decode = True
+    decoder = NativeDecoder(model, native.library(), native.DTYPE_CODES)
+    g = torch.Generator().manual_seed(0)
+    positions, meta = decode_step([20], 4, g)
+    hidden = torch.zeros(1, 96, dtype=torch.bfloat16)
+    cases = {
+        "slot": lambda m, p: setattr(m, "slot_mapping", torch.tensor([4 * BLOCK])),
+        "position": lambda m, p: p.fill_(640),
+        "table": lambda m, p: m.decode_block_tables.fill_(7),
+        "short table": lambda m, p: setattr(m, "decode_seq_lens", torch.tensor([999])),
+    }
+    for name, spoil in cases.items():
+        p, m = positions.clone(), AttentionMetadata(**vars(meta))
+        m.decode_block_tables = meta.decode_block_tables.clone()
+        spoil(m, p)
+        with pytest.raises(ValueError, match="outside the cache or rotary tables"):
+            decoder.run(hidden.clone(), p, m, None)
+        assert not cache.kv.any(), name
+
+
+def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch):
+    calls = []
+    real_run = NativeDecoder.run
+
+    def counting_run(self, hidden, *a):
+        calls.append(hidden.shape[0])
+        return real_run(self, hidden, *a)
+
+    monkeypatch.setattr(NativeDecoder, "run", counting_run)
+    llm = LLM.from_config(
+        EngineConfig(
+            model=str(tiny_model("llama")),
+            dtype="bfloat16",
+            device="cpu",
+            cache=CacheConfig(num_blocks=64, block_size=BLOCK),
+        )
+    )
+    assert llm.engine.runner.native_decode
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [f"Item {i} of the list is" for i in range(MAX_ROWS + 2)]
+    native_out = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)]
+    assert calls and max(calls) <= 2
+    calls.clear()
+    llm.generate(prompts, params)  # decode steps of 10 sequences: the torch layers
+    assert all(n <= MAX_ROWS for n in calls)
+    calls.clear()
+    monkeypatch.setenv("ENGINE_KERNELS", "torch")
+    torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)]
+    assert not calls
+    assert torch_out == native_out
+
+
+def test_not_for_float32_or_compiled_models():
+    llm = LLM.from_config(
+        EngineConfig(
+            model=str(tiny_model("llama")),
+            dtype="float32",
+            device="cpu",
+            cache=CacheConfig(num_blocks=16),
+        )
+    )
+    assert not llm.engine.runner.native_decode
