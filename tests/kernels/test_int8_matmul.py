@@ -37,6 +37,49 @@ def test_matches_float_math(rows, in_features, dtype):
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=2e-3)
 
 
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activation_blocks_keep_the_documented_precision(dtype):
+    # The kernel takes activations as int16 in blocks of 256 with a power-of-two scale: each
+    # value is exact or off by at most 2^-16 of its block's largest magnitude (an outlier costs
+    # its neighbours bits, a block of tiny values keeps them all). Then one rounding to 16 bits.
+    qw, x = weights(64, 1536 + 40, dtype, seed=1)  # a partial last block
+    x = x[:4].clone()
+    x[0, 3] = 900.0  # an outlier in the first block of row 0
+    x[1, 300:556] *= 1e-4  # a block of tiny values in row 1
+    x[2, ::7] = 0.0
+    w = dequantize_int8(qw, torch.float64)
+    exact = x.double() @ w.T
+    got = int8_matmul_native(x, qw.qweight, qw.scales).double()
+    xd = x.double()
+    block_max = torch.stack([b.abs().amax(1) for b in xd.split(256, dim=1)], 1)  # [rows, blocks]
+    per_value = block_max.repeat_interleave(256, dim=1)[:, : x.shape[1]] * 2**-16
+    bound = per_value @ w.abs().T  # quantization of the activations
+    bound += exact.abs() * 2.0 ** -(8 if dtype == torch.bfloat16 else 11)  # output rounding
+    bound += 1e-6 * (xd.abs() @ w.abs().T)  # float32 sums
+    assert ((got - exact).abs() <= bound).all(), ((got - exact).abs() / bound).max()
+    # the tiny block of row 1 kept its precision: its values contribute at full precision
+    row1 = x[1:2].clone()
+    row1[0, :300] = 0
+    row1[0, 556:] = 0
+    tiny = int8_matmul_native(row1, qw.qweight, qw.scales).double()
+    torch.testing.assert_close(tiny, row1.double() @ w.T, rtol=2**-7, atol=0)
+
+
+@needs_cc
+def test_a_row_does_not_depend_on_the_rows_beside_it_and_nan_stays_in_its_row():
+    qw, x = weights(48, 576, torch.bfloat16, seed=2)
+    alone = torch.cat([int8_matmul_native(x[i : i + 1], qw.qweight, qw.scales) for i in range(8)])
+    together = int8_matmul_native(x[:8], qw.qweight, qw.scales)
+    assert torch.equal(alone, together)
+    x = x[:3].clone()
+    x[1, 10] = float("nan")
+    x[2, 500] = float("inf")
+    got = int8_matmul_native(x, qw.qweight, qw.scales)
+    assert torch.equal(got[0], together[0])
+    assert not got[1].isfinite().any() and not got[2].isfinite().any()
+
+
 @pytest.mark.parametrize("in_features", [64, 100, 200])
 def test_reference_is_right_for_any_width(in_features):
     # torch._weight_int8pack_mm is wrong on the CPU for widths that are not a multiple of 16.

@@ -67,16 +67,19 @@ static inline float rnd(int dt, float f) {
     return f;
 }
 
-/* y[m * n + j] = rnd(x[m] . w[j] * scale[j]) (+ bias, rounded again) for m < rows. */
-static void project(int dt, const Proj *p, const float *x, int rows, float *y, int threads) {
+/* y[m * n + j] = rnd(x[m] . w[j] * scale[j]) (+ bias, rounded again) for m < rows. Returns 0 or
+   -2 without memory. */
+static int project(int dt, const Proj *p, const float *x, int rows, float *y, int threads) {
     const int64_t N = p->n, K = p->k, blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t wsize = p->wt == W_I8 ? 1 : (p->wt == DT_F32 ? 4 : 2);
+    Acts acts;
+    if (acts_prepare(&acts, p->wt, x, rows, K)) return -2;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
         const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
         for (int64_t j = blk * ROW_BLOCK; j < n1; j++) {
             float dots[GEMV_MAX_ROWS];
-            row_dots(p->wt, x, rows, K, (const char *)p->w + j * K * wsize, dots);
+            row_dots(p->wt, &acts, (const char *)p->w + j * K * wsize, dots);
             const float s = p->wt == W_I8 ? load_f32(dt, p->scales, j) : 1.f;
             for (int m = 0; m < rows; m++) {
                 float v = rnd(dt, dots[m] * s);
@@ -85,6 +88,8 @@ static void project(int dt, const Proj *p, const float *x, int rows, float *y, i
             }
         }
     }
+    acts_free(&acts);
+    return 0;
 }
 
 /* out = rnd(w * rnd(h / rms(h))) over n values (RMSNorm as engine/layers/rmsnorm.py). */
@@ -147,7 +152,7 @@ int engine_decode_layer(const Layer *L, const Step *S, void *hidden) {
 
     /* Attention: RMSNorm, qkv, (q/k norm), rotary, KV store, paged attention, o_proj. */
     for (int m = 0; m < R; m++) rms_norm(dt, hf + m * H, L->ln1, H, L->eps, x + m * H);
-    project(dt, &L->qkv, x, R, y, th);
+    if (project(dt, &L->qkv, x, R, y, th)) goto oom;
     for (int m = 0; m < R; m++) {
         float *row = y + m * NQKV;
         const float *c = S->cos + S->positions[m] * D, *s = S->sin_signed + S->positions[m] * D;
@@ -177,19 +182,22 @@ int engine_decode_layer(const Layer *L, const Step *S, void *hidden) {
         return rc;
     }
     for (int64_t i = 0; i < (int64_t)R * QS; i++) x[i] = load_f32(dt, od, i);
-    project(dt, &L->o, x, R, y, th);
+    if (project(dt, &L->o, x, R, y, th)) goto oom;
     for (int64_t i = 0; i < (int64_t)R * H; i++) hf[i] = rnd(dt, hf[i] + y[i]);
 
     /* MLP: RMSNorm, gate_up, SiLU(gate) * up, down. */
     for (int m = 0; m < R; m++) rms_norm(dt, hf + m * H, L->ln2, H, L->eps, x + m * H);
-    project(dt, &L->gate_up, x, R, y, th);
+    if (project(dt, &L->gate_up, x, R, y, th)) goto oom;
     for (int m = 0; m < R; m++)
         for (int i = 0; i < I; i++) {
             const float g = y[(int64_t)m * 2 * I + i], u = y[(int64_t)m * 2 * I + I + i];
             x[(int64_t)m * I + i] = rnd(dt, rnd(dt, g / (1.f + expf(-g))) * u);
         }
-    project(dt, &L->down, x, R, y, th);
+    if (project(dt, &L->down, x, R, y, th)) goto oom;
     for (int64_t i = 0; i < (int64_t)R * H; i++) store_f32(dt, hidden, i, rnd(dt, hf[i] + y[i]));
     free(hf), free(qd);
     return 0;
+oom:
+    free(hf), free(qd);
+    return -2;
 }

@@ -1,15 +1,32 @@
-/* Dot products of one weight row with a few float32 activation rows: the inner loop of the
+/* Dot products of one weight row with a few activation rows: the inner loop of the
    weight-streaming matmuls (int8_matmul.c, decode_layer.c). At a few rows a matmul's speed is the
    bandwidth at which the weights stream in, so each weight row is read once for every activation
-   row and widened to float32 in registers. Sums in float32.
+   row, and the arithmetic per weight byte must stay below what the memory delivers.
 
    Weight codes: the 16-bit and float32 codes of dtypes.h, and W_I8 for int8 (scaled by the
-   caller). The sums of a given code, K and row count are always formed in the same order. */
+   caller). The activations are prepared once per matmul (acts_prepare) in the form that suits
+   the weights:
+
+   - int8 weights: each activation row in blocks of GEMV_BLOCK values, as int16 times a power of
+     two per block (2^(e - 15) for a block whose largest magnitude is below 2^e). Every value
+     within 2^7 of its block's largest is exact (a 16-bit float has at most 11 significant bits,
+     bfloat16 8), smaller ones are off by at most 2^-16 of the block's largest. Products and
+     their sums within a block are exact int32 (AVX512-VNNI vpdpwssd: 32 multiply-adds per
+     instruction against 16 for float32 FMAs after widening, which capped int8 at ~17 GB/s
+     against the ~24 GB/s this machine reads); blocks are summed in float32.
+   - bfloat16 weights: the activations as bfloat16 (exact: the layers round them to the model's
+     dtype already), multiplied in pairs into float32 sums (AVX512-BF16 vdpbf16ps).
+   - float16 and float32 weights: float32 activations and FMAs after widening.
+
+   The sums of a given weight code and K are formed in the same order whatever the row count, so a
+   row's result does not depend on the rows beside it. */
 
 #ifndef ENGINE_NATIVE_GEMV_H
 #define ENGINE_NATIVE_GEMV_H
 
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -17,18 +34,82 @@
 #include "dtypes.h"
 
 #define GEMV_MAX_ROWS 8
-#define W_I8 3 /* int8 weight rows (per-row scales applied by the caller) */
+#define GEMV_BLOCK 256 /* activation values per int16 scale; 16 products per int32 lane */
+#define W_I8 3         /* int8 weight rows (per-row scales applied by the caller) */
 
-static inline float load_w(int wt, const void *w, int64_t k) {
-    return wt == W_I8 ? (float)((const int8_t *)w)[k] : load_f32(wt, w, k);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GEMV_VNNI 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define GEMV_BF16 1
+#endif
+
+typedef struct {
+    int rows;
+    int64_t K, nb;  /* values per row, int16 blocks per row */
+    const float *f; /* [rows, K] float32 (the caller's) */
+    int16_t *q;     /* [rows, K] int8 weights: value / its block's scale */
+    float *qs;      /* [rows, nb] the blocks' scales (powers of two; NaN for a non-finite block) */
+    uint16_t *b;    /* [rows, K] bfloat16 weights: the values as bfloat16 */
+} Acts;
+
+static inline void acts_free(Acts *a) {
+    free(a->q), free(a->qs), free(a->b);
+    a->q = NULL, a->qs = NULL, a->b = NULL;
+}
+
+/* Prepares xf [rows, K] for row dots against weights of code wt. Returns 0, or -2 without
+   memory. */
+static inline int acts_prepare(Acts *a, int wt, const float *xf, int rows, int64_t K) {
+    a->rows = rows, a->K = K, a->nb = (K + GEMV_BLOCK - 1) / GEMV_BLOCK, a->f = xf;
+    a->q = NULL, a->qs = NULL, a->b = NULL;
+    const size_t n = (size_t)rows * (size_t)(K > 0 ? K : 1);
+    if (wt == W_I8) {
+        a->q = malloc(sizeof(int16_t) * n);
+        a->qs = malloc(sizeof(float) * (size_t)rows * (size_t)(a->nb > 0 ? a->nb : 1));
+        if (!a->q || !a->qs) {
+            acts_free(a);
+            return -2;
+        }
+        for (int m = 0; m < rows; m++)
+            for (int64_t blk = 0; blk < a->nb; blk++) {
+                const int64_t k0 = blk * GEMV_BLOCK;
+                const int64_t k1 = k0 + GEMV_BLOCK < K ? k0 + GEMV_BLOCK : K;
+                const float *x = xf + (int64_t)m * K;
+                int16_t *q = a->q + (int64_t)m * K;
+                float mx = 0.f;
+                int bad = 0;
+                for (int64_t k = k0; k < k1; k++) {
+                    const float v = fabsf(x[k]);
+                    bad |= !(v <= 3.4e38f); /* inf or NaN */
+                    mx = v > mx ? v : mx;
+                }
+                if (bad) {
+                    a->qs[(int64_t)m * a->nb + blk] = NAN;
+                    for (int64_t k = k0; k < k1; k++) q[k] = 0;
+                    continue;
+                }
+                int e = 0;
+                if (mx > 0.f) frexpf(mx, &e); /* mx < 2^e */
+                const float inv = ldexpf(1.f, 15 - e);
+                a->qs[(int64_t)m * a->nb + blk] = ldexpf(1.f, e - 15);
+                for (int64_t k = k0; k < k1; k++) {
+                    float v = nearbyintf(x[k] * inv);
+                    v = v > 32767.f ? 32767.f : (v < -32767.f ? -32767.f : v);
+                    q[k] = (int16_t)v;
+                }
+            }
+    } else if (wt == DT_BF16) {
+        a->b = malloc(sizeof(uint16_t) * n);
+        if (!a->b) return -2;
+        for (size_t i = 0; i < (size_t)rows * (size_t)K; i++) a->b[i] = f32_to_bf16(xf[i]);
+    }
+    return 0;
 }
 
 #if defined(__AVX512F__)
-/* 16 weights from element k of w, as float32. */
+/* 16 weights from element k of w (16-bit or float32 codes), as float32. */
 static inline __attribute__((always_inline)) __m512 widen16_w(int wt, const void *w, int64_t k) {
-    if (wt == W_I8)
-        return _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + k))));
     if (wt == DT_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k))),
@@ -39,49 +120,148 @@ static inline __attribute__((always_inline)) __m512 widen16_w(int wt, const void
 }
 #endif
 
-/* out[m] = sum_k xf[m * K + k] * w[k] for m < rows (rows <= GEMV_MAX_ROWS). Inlined with a
-   constant wt at each call site of row_dots, so every weight code gets its own loop. */
-static inline __attribute__((always_inline)) void row_dots_wt(int wt, const float *xf, int rows,
-                                                              int64_t K, const void *w,
-                                                              float *out) {
+/* Float weights (W_I8 excluded) against float32 activations: FMAs after widening. */
+static inline __attribute__((always_inline)) void dots_float(int wt, const Acts *a, int rows,
+                                                             const void *w, float *out) {
+    const int64_t K = a->K;
+    const float *xf = a->f;
     int64_t k = 0;
     for (int m = 0; m < rows; m++) out[m] = 0.f;
 #if defined(__AVX512F__)
-    if (rows == 1) { /* four independent sums: one FMA chain would wait on its own latency */
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (; k + 64 <= K; k += 64) {
-            a0 = _mm512_fmadd_ps(widen16_w(wt, w, k), _mm512_loadu_ps(xf + k), a0);
-            a1 = _mm512_fmadd_ps(widen16_w(wt, w, k + 16), _mm512_loadu_ps(xf + k + 16), a1);
-            a2 = _mm512_fmadd_ps(widen16_w(wt, w, k + 32), _mm512_loadu_ps(xf + k + 32), a2);
-            a3 = _mm512_fmadd_ps(widen16_w(wt, w, k + 48), _mm512_loadu_ps(xf + k + 48), a3);
+    __m512 acc[2][GEMV_MAX_ROWS];
+    for (int m = 0; m < rows; m++) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+        const __m512 w0 = widen16_w(wt, w, k), w1 = widen16_w(wt, w, k + 16);
+        for (int m = 0; m < rows; m++) {
+            acc[0][m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + m * K + k), acc[0][m]);
+            acc[1][m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + m * K + k + 16), acc[1][m]);
         }
-        for (; k + 16 <= K; k += 16)
-            a0 = _mm512_fmadd_ps(widen16_w(wt, w, k), _mm512_loadu_ps(xf + k), a0);
-        out[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    } else {
-        __m512 acc[GEMV_MAX_ROWS];
-        for (int m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
-        for (; k + 16 <= K; k += 16) {
-            const __m512 wf = widen16_w(wt, w, k);
-            for (int m = 0; m < rows; m++)
-                acc[m] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(xf + m * K + k), acc[m]);
-        }
-        for (int m = 0; m < rows; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
     }
+    for (int m = 0; m < rows; m++) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
 #endif
     for (; k < K; k++) {
-        const float wk = load_w(wt, w, k);
+        const float wk = load_f32(wt, w, k);
         for (int m = 0; m < rows; m++) out[m] += xf[m * K + k] * wk;
     }
 }
 
-static inline void row_dots(int wt, const float *xf, int rows, int64_t K, const void *w,
-                            float *out) {
+/* bfloat16 weights against bfloat16 activations: pairs multiplied exactly, summed in float32. */
+static inline __attribute__((always_inline)) void dots_bf16(const Acts *a, int rows,
+                                                            const uint16_t *w, float *out) {
+#if defined(GEMV_BF16)
+    const int64_t K = a->K;
+    int64_t k = 0;
+    __m512 acc[2][GEMV_MAX_ROWS];
+    for (int m = 0; m < rows; m++) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+    for (; k + 64 <= K; k += 64) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+        for (int m = 0; m < rows; m++) {
+            const uint16_t *x = a->b + m * K + k;
+            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)_mm512_loadu_si512(x), w0);
+            acc[1][m] = _mm512_dpbf16_ps(acc[1][m], (__m512bh)_mm512_loadu_si512(x + 32), w1);
+        }
+    }
+    for (; k + 32 <= K; k += 32) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
+        for (int m = 0; m < rows; m++)
+            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)_mm512_loadu_si512(a->b + m * K + k),
+                                         w0);
+    }
+    for (int m = 0; m < rows; m++) {
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
+        for (int64_t j = k; j < K; j++) s += bf16_to_f32(a->b[m * K + j]) * bf16_to_f32(w[j]);
+        out[m] = s;
+    }
+#else
+    dots_float(DT_BF16, a, rows, w, out);
+#endif
+}
+
+/* int8 weights against int16 activation blocks: exact int32 sums per block, float32 across. */
+static inline __attribute__((always_inline)) void dots_i8(const Acts *a, int rows,
+                                                          const int8_t *w, float *out) {
+    const int64_t K = a->K, nb = a->nb;
+    float tail[GEMV_MAX_ROWS];
+    for (int m = 0; m < rows; m++) tail[m] = 0.f;
+#if defined(GEMV_VNNI)
+    __m512 accf[GEMV_MAX_ROWS];
+    for (int m = 0; m < rows; m++) accf[m] = _mm512_setzero_ps();
+#endif
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const int64_t k0 = blk * GEMV_BLOCK, k1 = k0 + GEMV_BLOCK < K ? k0 + GEMV_BLOCK : K;
+        int64_t k = k0;
+#if defined(GEMV_VNNI)
+        __m512i acc[2][GEMV_MAX_ROWS];
+        for (int m = 0; m < rows; m++) acc[0][m] = acc[1][m] = _mm512_setzero_si512();
+        for (; k + 64 <= k1; k += 64) {
+            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k)));
+            const __m512i w1 =
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k + 32)));
+            for (int m = 0; m < rows; m++) {
+                const int16_t *x = a->q + m * K + k;
+                acc[0][m] = _mm512_dpwssd_epi32(acc[0][m], w0, _mm512_loadu_si512(x));
+                acc[1][m] = _mm512_dpwssd_epi32(acc[1][m], w1, _mm512_loadu_si512(x + 32));
+            }
+        }
+        for (; k + 32 <= k1; k += 32) {
+            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k)));
+            for (int m = 0; m < rows; m++)
+                acc[0][m] = _mm512_dpwssd_epi32(acc[0][m], w0, _mm512_loadu_si512(a->q + m * K + k));
+        }
+        for (int m = 0; m < rows; m++) {
+            const __m512 s = _mm512_set1_ps(a->qs[m * nb + blk]);
+            const __m512i sum = _mm512_add_epi32(acc[0][m], acc[1][m]);
+            accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, accf[m]);
+        }
+#endif
+        for (int m = 0; m < rows; m++) {
+            int32_t s = 0;
+            for (int64_t j = k; j < k1; j++) s += (int32_t)a->q[m * K + j] * (int32_t)w[j];
+            tail[m] += (float)s * a->qs[m * nb + blk];
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+#if defined(GEMV_VNNI)
+        out[m] = _mm512_reduce_add_ps(accf[m]) + tail[m];
+#else
+        out[m] = tail[m];
+#endif
+    }
+}
+
+static inline __attribute__((always_inline)) void row_dots_wt(int wt, const Acts *a, int rows,
+                                                              const void *w, float *out) {
+    if (wt == W_I8)
+        dots_i8(a, rows, (const int8_t *)w, out);
+    else if (wt == DT_BF16)
+        dots_bf16(a, rows, (const uint16_t *)w, out);
+    else
+        dots_float(wt, a, rows, w, out);
+}
+
+/* The loops for one weight code, with the row count a constant: the accumulators then stay in
+   registers (indexed by a run-time count they live in memory). */
+#define ROW_DOTS_BY_ROWS(WT)                                                                      \
+    switch (a->rows) {                                                                            \
+    case 1: row_dots_wt(WT, a, 1, w, out); break;                                                 \
+    case 2: row_dots_wt(WT, a, 2, w, out); break;                                                 \
+    case 3: row_dots_wt(WT, a, 3, w, out); break;                                                 \
+    case 4: row_dots_wt(WT, a, 4, w, out); break;                                                 \
+    case 5: row_dots_wt(WT, a, 5, w, out); break;                                                 \
+    case 6: row_dots_wt(WT, a, 6, w, out); break;                                                 \
+    case 7: row_dots_wt(WT, a, 7, w, out); break;                                                 \
+    default: row_dots_wt(WT, a, 8, w, out); break;                                                \
+    }
+
+/* out[m] = x[m] . w for the a->rows (1 to GEMV_MAX_ROWS) activation rows a was prepared with
+   (for weight code wt), over a->K values; w one weight row. */
+static inline void row_dots(int wt, const Acts *a, const void *w, float *out) {
     switch (wt) {
-    case W_I8: row_dots_wt(W_I8, xf, rows, K, w, out); break;
-    case DT_BF16: row_dots_wt(DT_BF16, xf, rows, K, w, out); break;
-    case DT_F16: row_dots_wt(DT_F16, xf, rows, K, w, out); break;
-    default: row_dots_wt(DT_F32, xf, rows, K, w, out); break;
+    case W_I8: ROW_DOTS_BY_ROWS(W_I8); break;
+    case DT_BF16: ROW_DOTS_BY_ROWS(DT_BF16); break;
+    case DT_F16: ROW_DOTS_BY_ROWS(DT_F16); break;
+    default: ROW_DOTS_BY_ROWS(DT_F32); break;
     }
 }
 

@@ -3,8 +3,8 @@
    The C counterpart of int8_matmul_ref (engine/kernels/int8_matmul.py) for decode, where a step
    reads every weight once and its speed is the bandwidth at which the int8 weights stream in.
    Blocks of output rows are shared among torch's OpenMP threads; each int8 row is read once for
-   all of x's rows (at most GEMV_MAX_ROWS) and widened to float32 in registers (gemv.h). Sums in
-   float32; y is rounded to x's dtype. */
+   all of x's rows (at most GEMV_MAX_ROWS), against x in int16 blocks (gemv.h: exact int32 sums
+   within a block, float32 across). y is rounded to x's dtype. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,17 +24,23 @@ int engine_int8_matmul(int dt, const void *x, const int8_t *w, const void *scale
     if (!xf) return -2;
     for (int m = 0; m < rows; m++)
         for (int64_t k = 0; k < K; k++) xf[m * K + k] = load_f32(dt, x, m * sx + k);
+    Acts acts;
+    if (acts_prepare(&acts, W_I8, xf, rows, K)) {
+        free(xf);
+        return -2;
+    }
     const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
         const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
         for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
             float dots[GEMV_MAX_ROWS];
-            row_dots(W_I8, xf, rows, K, w + n * K, dots);
+            row_dots(W_I8, &acts, w + n * K, dots);
             const float s = load_f32(dt, scales, n);
             for (int m = 0; m < rows; m++) store_f32(dt, y, m * sy + n, dots[m] * s);
         }
     }
+    acts_free(&acts);
     free(xf);
     return 0;
 }
