@@ -8,7 +8,8 @@
 
    Work items are (sequence, chunk of CHUNK tokens): every query head of the sequence over that
    chunk's keys and values (a chunk's K and V, up to 256 tokens x KV heads x head_dim, stay in
-   the core's cache while its heads go over them). A sequence's chunks are merged by log-sum-exp in a fixed order. A sequence's result
+   the core's cache while its heads go over them); with fewer chunks than threads, (sequence,
+   chunk, KV head). A sequence's chunks are merged by log-sum-exp in a fixed order. A sequence's result
    therefore depends only on its own length, never on the batch it runs in or the thread count.
 
    Numerics: scores, softmax and the weighted sum in float32 (exp by a degree-6 polynomial,
@@ -104,35 +105,33 @@ static inline int64_t row_offset(const int32_t *table, int t, int bs, int64_t s_
 }
 
 /* Portable loops: scores[h][t - t0] = q[h] . k[t], and acc[h] += p[h][t] * v[t]. */
-static void scores_generic(const Args *a, const int32_t *table, int t0, int t1, const float *q,
-                           float *scores) {
-    const int HK = a->kv_heads, D = a->dim, G = a->heads / HK;
+static void scores_generic(const Args *a, const int32_t *table, int kh, int t0, int t1,
+                           const float *q, float *scores) {
+    const int D = a->dim, G = a->heads / a->kv_heads;
     float row[MAX_DIM];
-    for (int t = t0; t < t1; t++)
-        for (int kh = 0; kh < HK; kh++) {
-            load_row(a->dt, a->k, row_offset(table, t, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh),
-                     row, D);
-            for (int h = kh * G; h < (kh + 1) * G; h++)
-                scores[(size_t)h * CHUNK + (t - t0)] = dot(q + (size_t)h * D, row, D);
-        }
+    for (int t = t0; t < t1; t++) {
+        load_row(a->dt, a->k, row_offset(table, t, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh),
+                 row, D);
+        for (int h = kh * G; h < (kh + 1) * G; h++)
+            scores[(size_t)h * CHUNK + (t - t0)] = dot(q + (size_t)h * D, row, D);
+    }
 }
 
-static void values_generic(const Args *a, const int32_t *table, int t0, int t1,
+static void values_generic(const Args *a, const int32_t *table, int kh, int t0, int t1,
                            const float *probs, float *acc) {
-    const int HK = a->kv_heads, D = a->dim, G = a->heads / HK;
+    const int D = a->dim, G = a->heads / a->kv_heads;
     float row[MAX_DIM];
-    memset(acc, 0, sizeof(float) * (size_t)a->heads * (size_t)D);
-    for (int t = t0; t < t1; t++)
-        for (int kh = 0; kh < HK; kh++) {
-            load_row(a->dt, a->v, row_offset(table, t, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh),
-                     row, D);
-            for (int h = kh * G; h < (kh + 1) * G; h++) {
-                const float p = probs[(size_t)h * CHUNK + (t - t0)];
-                float *o = acc + (size_t)h * D;
+    memset(acc + (size_t)kh * G * D, 0, sizeof(float) * (size_t)G * (size_t)D);
+    for (int t = t0; t < t1; t++) {
+        load_row(a->dt, a->v, row_offset(table, t, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh),
+                 row, D);
+        for (int h = kh * G; h < (kh + 1) * G; h++) {
+            const float p = probs[(size_t)h * CHUNK + (t - t0)];
+            float *o = acc + (size_t)h * D;
 #pragma omp simd
-                for (int d = 0; d < D; d++) o[d] += p * row[d];
-            }
+            for (int d = 0; d < D; d++) o[d] += p * row[d];
         }
+    }
 }
 
 #if defined(__AVX512F__)
@@ -168,86 +167,85 @@ static inline __m512 sum16(const __m512 *v) {
 /* head_dim = 16 * nv. Inlined with nv a constant, the query (scores) or the accumulator (values)
    of one head lives in nv registers while the head's keys or values stream past. */
 static inline __attribute__((always_inline)) void scores_avx512(
-    const Args *a, const int32_t *table, int t0, int t1, const float *q, float *scores,
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *q, float *scores,
     const int nv) {
-    const int HK = a->kv_heads, D = a->dim, G = a->heads / HK;
-    for (int kh = 0; kh < HK; kh++)
-        for (int h = kh * G; h < (kh + 1) * G; h++) {
-            __m512 qv[16];
-            for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + (size_t)h * D + 16 * c);
-            for (int t = t0; t < t1; t += 16) {
-                const int n = t1 - t < 16 ? t1 - t : 16;
-                __m512 dots[16];
-                for (int j = 0; j < 16; j++) {
-                    dots[j] = _mm512_setzero_ps();
-                    if (j >= n) continue;
-                    const int64_t off = row_offset(table, t + j, a->block_size, a->sk_b, a->sk_s,
-                                                   a->sk_h, kh);
-                    for (int c = 0; c < nv; c++)
-                        dots[j] = _mm512_fmadd_ps(qv[c], load16(a->dt, a->k, off + 16 * c), dots[j]);
-                }
-                _mm512_mask_storeu_ps(scores + (size_t)h * CHUNK + (t - t0),
-                                      (__mmask16)((1u << n) - 1u), sum16(dots));
+    const int D = a->dim, G = a->heads / a->kv_heads;
+    for (int h = kh * G; h < (kh + 1) * G; h++) {
+        __m512 qv[16];
+        for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + (size_t)h * D + 16 * c);
+        for (int t = t0; t < t1; t += 16) {
+            const int n = t1 - t < 16 ? t1 - t : 16;
+            __m512 dots[16];
+            for (int j = 0; j < 16; j++) {
+                dots[j] = _mm512_setzero_ps();
+                if (j >= n) continue;
+                const int64_t off = row_offset(table, t + j, a->block_size, a->sk_b, a->sk_s,
+                                               a->sk_h, kh);
+                for (int c = 0; c < nv; c++)
+                    dots[j] = _mm512_fmadd_ps(qv[c], load16(a->dt, a->k, off + 16 * c), dots[j]);
             }
+            _mm512_mask_storeu_ps(scores + (size_t)h * CHUNK + (t - t0),
+                                  (__mmask16)((1u << n) - 1u), sum16(dots));
         }
+    }
 }
 
 static inline __attribute__((always_inline)) void values_avx512(
-    const Args *a, const int32_t *table, int t0, int t1, const float *probs, float *acc,
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *probs, float *acc,
     const int nv) {
-    const int HK = a->kv_heads, D = a->dim, G = a->heads / HK;
-    for (int kh = 0; kh < HK; kh++)
-        for (int h = kh * G; h < (kh + 1) * G; h++) {
-            __m512 o[16];
-            for (int c = 0; c < nv; c++) o[c] = _mm512_setzero_ps();
-            const float *ph = probs + (size_t)h * CHUNK;
-            for (int t = t0; t < t1; t++) {
-                const __m512 p = _mm512_set1_ps(ph[t - t0]);
-                const int64_t off = row_offset(table, t, a->block_size, a->sv_b, a->sv_s,
-                                               a->sv_h, kh);
-                for (int c = 0; c < nv; c++)
-                    o[c] = _mm512_fmadd_ps(p, load16(a->dt, a->v, off + 16 * c), o[c]);
-            }
-            for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + (size_t)h * D + 16 * c, o[c]);
+    const int D = a->dim, G = a->heads / a->kv_heads;
+    for (int h = kh * G; h < (kh + 1) * G; h++) {
+        __m512 o[16];
+        for (int c = 0; c < nv; c++) o[c] = _mm512_setzero_ps();
+        const float *ph = probs + (size_t)h * CHUNK;
+        for (int t = t0; t < t1; t++) {
+            const __m512 p = _mm512_set1_ps(ph[t - t0]);
+            const int64_t off = row_offset(table, t, a->block_size, a->sv_b, a->sv_s,
+                                           a->sv_h, kh);
+            for (int c = 0; c < nv; c++)
+                o[c] = _mm512_fmadd_ps(p, load16(a->dt, a->v, off + 16 * c), o[c]);
         }
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + (size_t)h * D + 16 * c, o[c]);
+    }
 }
 
 #define SPECIALISE(NV)                                                                           \
-    static void scores_nv##NV(const Args *a, const int32_t *table, int t0, int t1,              \
+    static void scores_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
                               const float *q, float *scores) {                                  \
-        scores_avx512(a, table, t0, t1, q, scores, NV);                                         \
+        scores_avx512(a, table, kh, t0, t1, q, scores, NV);                                     \
     }                                                                                            \
-    static void values_nv##NV(const Args *a, const int32_t *table, int t0, int t1,              \
+    static void values_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
                               const float *probs, float *acc) {                                 \
-        values_avx512(a, table, t0, t1, probs, acc, NV);                                        \
+        values_avx512(a, table, kh, t0, t1, probs, acc, NV);                                    \
     }
 SPECIALISE(4)  /* head_dim 64 */
 SPECIALISE(8)  /* head_dim 128 */
 #endif
 
-/* Attention of sequence b's query over tokens [t0, t1): the unnormalised output acc [heads, dim],
-   the max m [heads] and the sum of exponentials l [heads]. scores: heads * (CHUNK + dim) floats
-   of scratch (the scores, then the scaled query). */
-static void attend_chunk(const Args *a, int b, int t0, int t1, float *scores, float *acc,
-                         float *m, float *l) {
-    const int H = a->heads, D = a->dim;
+/* Attention of sequence b's query heads that share KV heads [kh0, kh1) over tokens [t0, t1):
+   their rows of the unnormalised output acc [heads, dim], the max m [heads] and the sum of
+   exponentials l [heads]. scores: heads * (CHUNK + dim) floats of scratch (the scores, then the
+   scaled query). */
+static void attend_chunk(const Args *a, int b, int kh0, int kh1, int t0, int t1, float *scores,
+                         float *acc, float *m, float *l) {
+    const int H = a->heads, D = a->dim, G = H / a->kv_heads;
     const int n = t1 - t0;
     const int32_t *table = a->tables + (int64_t)b * a->s_bt;
     float *q = scores + (size_t)H * CHUNK;
-    for (int h = 0; h < H; h++) {
+    for (int h = kh0 * G; h < kh1 * G; h++) {
         load_row(a->dt, a->q, (int64_t)b * a->sq_b + (int64_t)h * a->sq_h, q + (size_t)h * D, D);
         for (int d = 0; d < D; d++) q[(size_t)h * D + d] *= a->scale;
     }
-    void (*scores_fn)(const Args *, const int32_t *, int, int, const float *, float *) =
+    void (*scores_fn)(const Args *, const int32_t *, int, int, int, const float *, float *) =
         scores_generic;
-    void (*values_fn)(const Args *, const int32_t *, int, int, const float *, float *) =
+    void (*values_fn)(const Args *, const int32_t *, int, int, int, const float *, float *) =
         values_generic;
 #if defined(__AVX512F__)
     if (D == 64) scores_fn = scores_nv4, values_fn = values_nv4;
     if (D == 128) scores_fn = scores_nv8, values_fn = values_nv8;
 #endif
-    scores_fn(a, table, t0, t1, q, scores);
-    for (int h = 0; h < H; h++) {
+    for (int kh = kh0; kh < kh1; kh++) scores_fn(a, table, kh, t0, t1, q, scores);
+    for (int h = kh0 * G; h < kh1 * G; h++) {
         float *sh = scores + (size_t)h * CHUNK;
         float mx = -INFINITY;
         for (int i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
@@ -260,7 +258,7 @@ static void attend_chunk(const Args *a, int b, int t0, int t1, float *scores, fl
         m[h] = mx;
         l[h] = sum;
     }
-    values_fn(a, table, t0, t1, scores, acc);
+    for (int kh = kh0; kh < kh1; kh++) values_fn(a, table, kh, t0, t1, scores, acc);
 }
 
 /* Returns 0; -1 for shapes beyond the limits; -2 when scratch memory could not be had; -3 when a
@@ -304,6 +302,9 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
     }
     for (int b = 0; b < batch; b++)
         for (int64_t i = first[b]; i < first[b + 1]; i++) owner[i] = b;
+    /* Fewer chunks than threads (a short sequence alone): one item per (chunk, KV head) instead,
+       so that every thread has work. Each head's result is the same whichever item computes it. */
+    const int split = items < num_threads ? kv_heads : 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -313,13 +314,15 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < items; i++) {
+        for (int64_t j = 0; j < items * split; j++) {
             if (!scratch) continue;
-            const int b = owner[i];
+            const int64_t i = j / split;
+            const int b = owner[i], kh0 = split == 1 ? 0 : (int)(j % split);
+            const int kh1 = split == 1 ? kv_heads : kh0 + 1;
             const int t0 = (int)(i - first[b]) * CHUNK;
             const int t1 = t0 + CHUNK < seq_lens[b] ? t0 + CHUNK : seq_lens[b];
             float *p = parts + part * (size_t)i;
-            attend_chunk(&a, b, t0, t1, scratch, p, p + (size_t)heads * dim,
+            attend_chunk(&a, b, kh0, kh1, t0, t1, scratch, p, p + (size_t)heads * dim,
                          p + (size_t)heads * dim + heads);
         }
         free(scratch);

@@ -79,7 +79,19 @@ static inline int acts_prepare(Acts *a, int wt, const float *xf, int rows, int64
                 int16_t *q = a->q + (int64_t)m * K;
                 float mx = 0.f;
                 int bad = 0;
-                for (int64_t k = k0; k < k1; k++) {
+                int64_t k = k0;
+#if defined(__AVX512F__)
+                __m512 vmx = _mm512_setzero_ps();
+                __mmask16 vbad = 0;
+                for (; k + 16 <= k1; k += 16) {
+                    const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + k));
+                    vbad |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(3.4e38f), _CMP_NLE_UQ);
+                    vmx = _mm512_max_ps(vmx, v);
+                }
+                mx = _mm512_reduce_max_ps(vmx);
+                bad = vbad != 0;
+#endif
+                for (; k < k1; k++) {
                     const float v = fabsf(x[k]);
                     bad |= !(v <= 3.4e38f); /* inf or NaN */
                     mx = v > mx ? v : mx;
@@ -93,7 +105,16 @@ static inline int acts_prepare(Acts *a, int wt, const float *xf, int rows, int64
                 if (mx > 0.f) frexpf(mx, &e); /* mx < 2^e */
                 const float inv = ldexpf(1.f, 15 - e);
                 a->qs[(int64_t)m * a->nb + blk] = ldexpf(1.f, e - 15);
-                for (int64_t k = k0; k < k1; k++) {
+                k = k0;
+#if defined(__AVX512F__)
+                /* rounded to nearest even as nearbyintf does; the pack saturates as the clamp */
+                for (; k + 16 <= k1; k += 16) {
+                    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k),
+                                                                       _mm512_set1_ps(inv)));
+                    _mm256_storeu_si256((__m256i *)(q + k), _mm512_cvtsepi32_epi16(r));
+                }
+#endif
+                for (; k < k1; k++) {
                     float v = nearbyintf(x[k] * inv);
                     v = v > 32767.f ? 32767.f : (v < -32767.f ? -32767.f : v);
                     q[k] = (int16_t)v;
