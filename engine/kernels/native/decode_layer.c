@@ -22,6 +22,9 @@
 
 #define ROW_BLOCK 16 /* output rows per work item */
 #define MAX_DIM 256
+/* With several rows a weight row takes long enough that the hardware prefetcher falls behind:
+   the row PF_ROWS ahead is prefetched by hand (4 x 512: 14 -> 12 ms int8 here). */
+#define PF_ROWS 4
 
 int engine_decode_attention(int dt, const void *q, const void *k_cache, const void *v_cache,
                             void *out, const int32_t *block_tables, const int32_t *seq_lens,
@@ -79,6 +82,10 @@ static int project(int dt, const Proj *p, const float *x, int rows, float *y, in
         const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
         for (int64_t j = blk * ROW_BLOCK; j < n1; j++) {
             float dots[GEMV_MAX_ROWS];
+            if (rows > 1 && j + PF_ROWS < N) {
+                const char *nx = (const char *)p->w + (j + PF_ROWS) * K * wsize;
+                for (int64_t o = 0; o < K * wsize; o += 64) __builtin_prefetch(nx + o, 0, 0);
+            }
             row_dots(p->wt, &acts, (const char *)p->w + j * K * wsize, dots);
             const float s = p->wt == W_I8 ? load_f32(dt, p->scales, j) : 1.f;
             for (int m = 0; m < rows; m++) {
