@@ -5,7 +5,10 @@
 
 Each case is BATCHxCONTEXT: BATCH sequences decode one token each over CONTEXT cached tokens
 (random KV in the paged cache; timing does not depend on the values). "attention" is the paged
-decode attention of every layer timed alone on the same inputs; its share is of the forward.
+decode attention of every layer timed alone on the same inputs, through its Python launcher; its
+share is of the forward. Steps of up to 8 sequences of a 16-bit model run the C decoder layers
+(layers/native_decode.py), where the same attention kernel runs without the launcher, so there the
+column overstates it by the launcher's ~20 us per layer (ENGINE_KERNELS=torch: the torch layers).
 ``--profile`` adds torch.profiler's top ops by self CPU time.
 """
 
