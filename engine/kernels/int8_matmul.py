@@ -16,9 +16,14 @@ import torch.nn.functional as F
 
 from engine.kernels._launch import check_tensor
 
-# Rows up to which a weight-streaming kernel beats dequantize + 16-bit GEMM (measured on
-# AVX512-BF16); also the C kernel's limit.
+# Rows up to which torch's weight-streaming kernel beats dequantize + 16-bit GEMM (measured on
+# AVX512-BF16).
 INT8_GEMV_MAX_ROWS = 8
+# Rows up to which the C kernel serves (gemv.h's GEMV_ROWS_LIMIT; groups of 8 rows take each
+# weight row in turn; the kernel takes up to 64): beyond, dequantize + 16-bit GEMM, which wins
+# from 32 rows here (profiling/bench_int8.py: 16 rows 32.3 against 36.6 ms, 32 rows 65.4 against
+# 46.4).
+NATIVE_INT8_MAX_ROWS = 16
 
 
 def int8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -45,7 +50,7 @@ def int8_matmul_native(
         if t.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU for the C kernel, got {t.device}")
     rows = x.shape[0]
-    if rows > INT8_GEMV_MAX_ROWS:
+    if rows > NATIVE_INT8_MAX_ROWS:
         return int8_matmul_ref(x, qweight, scales)
     lib = native.library()
     if lib is None:

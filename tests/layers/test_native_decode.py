@@ -101,7 +101,11 @@ def both_paths(model, seq_lens, seed=0, hook=None, round_to=None):
     ],
     ids=["gqa", "bias-mqa", "qk-norm", "dim16"],
 )
-@pytest.mark.parametrize("seq_lens", [[1], [300], [5, 17, 257], [9, 1, 33, 2, 64, 70, 3, 100]])
+@pytest.mark.parametrize(
+    "seq_lens",
+    [[1], [300], [5, 17, 257], [9, 1, 33, 2, 64, 70, 3, 100], [3 * i + 1 for i in range(MAX_ROWS)]],
+    ids=["one", "two-chunks", "three", "eight", "max-rows"],
+)
 def test_float32_matches_the_torch_layers(shape, seq_lens):
     # float32 rounds nowhere, so the C layer must agree with the torch layer to float32 noise:
     # any missed term (bias, norm, rotary half, GQA head mapping, residual) shows.

@@ -8,7 +8,7 @@
    attention is decode_attention.c's, and the small elementwise parts run in place.
 
    The C counterpart of DecoderLayer.forward (engine/layers/llama.py) for decode-only steps of up
-   to GEMV_MAX_ROWS sequences, driven by engine/layers/native_decode.py. Numerics follow the torch
+   to GEMV_ROWS_LIMIT sequences, driven by engine/layers/native_decode.py. Numerics follow the torch
    layer: every value the torch layer stores in the model's dtype is rounded to it here at the same
    point (RMSNorm statistics, rotary, softmax and all sums in float32). */
 
@@ -75,18 +75,18 @@ static inline float rnd(int dt, float f) {
 static int project(int dt, const Proj *p, const float *x, int rows, float *y, int threads) {
     const int64_t N = p->n, K = p->k, blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t wsize = p->wt == W_I8 ? 1 : (p->wt == DT_F32 ? 4 : 2);
-    Acts acts;
-    if (acts_prepare(&acts, p->wt, x, rows, K)) return -2;
+    RowGroups acts;
+    if (groups_prepare(&acts, p->wt, x, rows, K)) return -2;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
         const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
         for (int64_t j = blk * ROW_BLOCK; j < n1; j++) {
-            float dots[GEMV_MAX_ROWS];
+            float dots[GEMV_ROWS_LIMIT];
             if (rows > 1 && j + PF_ROWS < N) {
                 const char *nx = (const char *)p->w + (j + PF_ROWS) * K * wsize;
                 for (int64_t o = 0; o < K * wsize; o += 64) __builtin_prefetch(nx + o, 0, 0);
             }
-            row_dots(p->wt, &acts, (const char *)p->w + j * K * wsize, dots);
+            row_dots_groups(p->wt, &acts, (const char *)p->w + j * K * wsize, dots);
             const float s = p->wt == W_I8 ? load_f32(dt, p->scales, j) : 1.f;
             for (int m = 0; m < rows; m++) {
                 float v = rnd(dt, dots[m] * s);
@@ -95,7 +95,7 @@ static int project(int dt, const Proj *p, const float *x, int rows, float *y, in
             }
         }
     }
-    acts_free(&acts);
+    groups_free(&acts);
     return 0;
 }
 
@@ -124,7 +124,7 @@ int engine_decode_layer(const Layer *L, const Step *S, void *hidden) {
     const int dt = L->dt, R = S->rows, H = L->hidden, HQ = L->heads, HK = L->kv_heads;
     const int D = L->dim, I = L->inter;
     const int64_t QS = (int64_t)HQ * D, KS = (int64_t)HK * D, NQKV = QS + 2 * KS;
-    if (R < 1 || R > GEMV_MAX_ROWS || D > MAX_DIM || D % 2 || HK < 1 || HQ % HK ||
+    if (R < 1 || R > GEMV_ROWS_LIMIT || D > MAX_DIM || D % 2 || HK < 1 || HQ % HK ||
         L->qkv.n != NQKV || L->qkv.k != H || L->o.n != H || L->o.k != QS ||
         L->gate_up.n != 2 * (int64_t)I || L->gate_up.k != H || L->down.n != H || L->down.k != I)
         return -1;

@@ -286,4 +286,39 @@ static inline void row_dots(int wt, const Acts *a, const void *w, float *out) {
     }
 }
 
+/* More rows than a set of registers holds: groups of GEMV_MAX_ROWS, each weight row taken by
+   every group in turn while it is in the core's cache (the weights still stream once). */
+#define GEMV_MAX_GROUPS 8
+#define GEMV_ROWS_LIMIT (GEMV_MAX_ROWS * GEMV_MAX_GROUPS)
+
+typedef struct {
+    int groups;
+    Acts g[GEMV_MAX_GROUPS];
+} RowGroups;
+
+static inline void groups_free(RowGroups *r) {
+    for (int i = 0; i < r->groups; i++) acts_free(&r->g[i]);
+    r->groups = 0;
+}
+
+/* xf [rows, K] (1 <= rows <= GEMV_ROWS_LIMIT) prepared for weights of code wt. Returns 0, or -2
+   without memory. */
+static inline int groups_prepare(RowGroups *r, int wt, const float *xf, int rows, int64_t K) {
+    r->groups = 0;
+    for (int m0 = 0; m0 < rows; m0 += GEMV_MAX_ROWS) {
+        const int n = rows - m0 < GEMV_MAX_ROWS ? rows - m0 : GEMV_MAX_ROWS;
+        if (acts_prepare(&r->g[r->groups], wt, xf + (int64_t)m0 * K, n, K)) {
+            groups_free(r);
+            return -2;
+        }
+        r->groups++;
+    }
+    return 0;
+}
+
+/* out[m] = x[m] . w for every row of every group. */
+static inline void row_dots_groups(int wt, const RowGroups *r, const void *w, float *out) {
+    for (int i = 0; i < r->groups; i++) row_dots(wt, &r->g[i], w, out + i * GEMV_MAX_ROWS);
+}
+
 #endif
