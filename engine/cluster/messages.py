@@ -197,6 +197,18 @@ class Abort(Message):
     request_id: str
 
 
+@dataclass(frozen=True)
+class FirstTokens(Message):
+    """To the decode worker: the first token of each choice, as the router relayed them from the
+    prefill worker (its ``Outputs`` entries). If the KV transfer then fails before KVDone
+    arrives, the decode worker recomputes from these tokens instead of sampling its own first
+    token, which the client has not seen."""
+
+    TYPE = "first_tokens"
+    request_id: str
+    outputs: list[dict]
+
+
 # -- KV: prefill -> decode ---------------------------------------------------------------------
 
 
@@ -277,6 +289,7 @@ MESSAGES: dict[str, type[Message]] = {
         PrefillRequest,
         CopyBlocks,
         Abort,
+        FirstTokens,
         KVLayer,
         KVDone,
         KVAbort,

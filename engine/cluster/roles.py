@@ -156,6 +156,27 @@ class PrefillRole:
 class _Expected:
     prompt_token_ids: list[int]
     params: SamplingParams
+    # The first tokens the client was sent, by choice (the router's FirstTokens): what a
+    # transfer that fails before its KVDone recomputes from.
+    seen: dict[int, dict] = field(default_factory=dict)
+
+
+def seen_first(o, n: int) -> dict | None:
+    """A FirstTokens entry (an ``Outputs`` entry of the prefill worker) as a KVDone ``firsts``
+    entry without generator state, or None where it is not a first token of one of n choices."""
+    if not isinstance(o, dict):
+        return None
+    i, ids, text, lps = o.get("index"), o.get("token_ids"), o.get("text"), o.get("logprobs")
+    if not (isinstance(i, int) and 0 <= i < n and o.get("offset") == 0 and isinstance(text, str)):
+        return None
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
+        return None
+    lp = lps[0] if isinstance(lps, list) and lps else None
+    lp = lp if isinstance(lp, list) and len(lp) == 3 else None  # [token, logprob, top]
+    reason = o.get("finish_reason")
+    return {"index": i, "token": ids[0], "logprob": lp, "sent_text_len": len(text),
+            "finish_reason": reason if isinstance(reason, str) else None,
+            "generator": False}  # fmt: skip
 
 
 class DecodeRole:
@@ -194,6 +215,15 @@ class DecodeRole:
         self.expected[rid] = _Expected(list(msg.prompt_token_ids), params)
         self.emit(m.DecodeReady(rid, t.offset, t.layout.nbytes))
 
+    def first_tokens(self, msg: m.FirstTokens) -> None:
+        exp = self.expected.get(msg.request_id)
+        if exp is None:
+            return  # admitted already (its KVDone carried them) or gone
+        for o in msg.outputs:
+            first = seen_first(o, exp.params.n)
+            if first is not None:
+                exp.seen[first["index"]] = first
+
     def abort(self, rid: str) -> None:
         if self.expected.pop(rid, None) is not None:
             self.receiver.release(rid)
@@ -219,6 +249,13 @@ class DecodeRole:
                 self.receiver.release(rid)
                 return
         firsts = done.firsts if done is not None else None
+        if firsts is None and len(exp.seen) == exp.params.n:
+            # No KVDone, but the client has its first tokens: go on from those, not from a
+            # token sampled here (unseeded sampling would continue from one it never saw).
+            firsts = [exp.seen[i] for i in range(exp.params.n)]
+            if all(f["finish_reason"] for f in firsts):
+                self.receiver.release(rid)
+                return
         try:
             ids = admit(
                 self.engine,

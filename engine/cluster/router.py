@@ -635,6 +635,12 @@ class Router:
                 req.phase = "decode"
                 req.metrics.num_cached_tokens = msg.num_cached_tokens
                 self._tell("prefill_done", req.wire_id, now, msg.num_cached_tokens)
+            if wid == req.prefill:
+                # The decode worker learns the first tokens the client gets, in case the KV
+                # transfer fails before its KVDone: it then recomputes from these.
+                d = self.workers.get(req.decode)
+                if d is not None and d.state in ("up", "draining"):
+                    self._send(d, m.FirstTokens(req.wire_id, msg.outputs))
             self._apply(req, msg.outputs)
         elif isinstance(msg, m.TransferFailed):
             if wid != req.decode:

@@ -305,6 +305,9 @@ class Worker:
                 continue
             if isinstance(msg, m.Abort):
                 self.role.abort(msg.request_id)
+            elif isinstance(msg, m.FirstTokens):
+                if self.cfg.role == "decode":
+                    self.role.first_tokens(msg)
             elif isinstance(msg, m.CopyBlocks):
                 if self.copier is not None:
                     self.copier.send(msg)

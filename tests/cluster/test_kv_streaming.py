@@ -400,6 +400,66 @@ def test_a_sender_killed_mid_transfer_fails_it_at_once(transport):
         arena.close()
 
 
+def test_recompute_without_kvdone_goes_on_from_the_first_token_the_client_saw():
+    # The prefill worker's KVDone never arrives (it died, or its KVDone was late, after the
+    # router had relayed its first token to the client). The decode worker recomputes the prompt
+    # and must go on from that first token (the router's FirstTokens), not sample its own: with
+    # unseeded sampling the continuation would follow a token the client never saw.
+    pair = Pair("shm")
+    params = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True)  # unseeded
+    rid, wire = "lost", params_to_wire(params)
+    try:
+        pair.sender.finish = lambda request_id, done: None  # the KVDone is lost
+        pair.decode.handle(m.DecodeRequest(rid, PROMPT, wire, 0.2))
+        ready = pair.router.pop()
+        pair.prefill.handle(
+            m.PrefillRequest(
+                rid,
+                PROMPT,
+                wire,
+                "d0",
+                pair.receiver.address,
+                "shm",
+                pair.arena.path,
+                ready.offset,
+                ready.nbytes,
+            )  # fmt: skip
+        )
+        while pair.p_engine.has_unfinished_requests():
+            pair.prefill.after_step(pair.p_engine.step())
+        (first,) = [x for x in pair.router if isinstance(x, m.Outputs)]
+        pair.decode.first_tokens(m.FirstTokens(rid, first.outputs))  # as the router relays it
+        time.sleep(0.3)
+        pair.decode.check_deadlines()
+        (failed,) = [x for x in pair.router if isinstance(x, m.TransferFailed)]
+        assert failed.recompute and "deadline" in failed.reason
+        while pair.d_engine.has_unfinished_requests():
+            pair.decode.after_step(pair.d_engine.step())
+        deltas = [x for x in pair.router if isinstance(x, m.Outputs) and x.worker_id == "d0"]
+        assert deltas[0].outputs[0]["offset"] == 1  # it did not sample a first token of its own
+        toks, _, _ = assemble(pair.router, rid, 1)
+        assert len(toks[0]) == 8 and toks[0][0] == first.outputs[0]["token_ids"][0]
+        assert pair.d_engine.metrics.computed_prompt_tokens == len(PROMPT)
+        pair.d_engine.check_integrity()
+    finally:
+        pair.close()
+
+
+def test_first_tokens_that_are_not_first_tokens_are_ignored():
+    from engine.cluster.roles import seen_first
+
+    good = {"index": 1, "offset": 0, "token_ids": [7], "text": "ab", "finish_reason": None,
+            "logprobs": [[7, -0.5, [[7, -0.5]]]]}  # fmt: skip
+    want = {"index": 1, "token": 7, "logprob": [7, -0.5, [[7, -0.5]]], "sent_text_len": 2,
+            "finish_reason": None, "generator": False}  # fmt: skip
+    assert seen_first(good, 2) == want
+    assert seen_first({**good, "logprobs": [[1, 2]]}, 2)["logprob"] is None
+    for bad in ({**good, "index": 2}, {**good, "offset": 1}, {**good, "token_ids": []},
+                {**good, "token_ids": [-1]}, {**good, "token_ids": "7"}, {**good, "text": None},
+                "not a dict"):  # fmt: skip
+        assert seen_first(bad, 2) is None, bad
+
+
 def test_deadline_expires_and_shm_area_waits_for_sender():
     kv, arena, rx = synthetic("shm")
     try:

@@ -36,6 +36,9 @@ SAMPLES = [
     m.DecodeRequest("r1", [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}, 30.0),
     m.PrefillRequest("r1", [1, 2, 3], {"n": 2}, "d0", "tcp://h:1", "tcp", "", 0, 96),
     m.Abort("r1"),
+    m.FirstTokens(
+        "r1", [{"index": 0, "offset": 0, "token_ids": [5], "text": "a", "finish_reason": None}]
+    ),
     m.KVLayer("r1", 3, 0, 16, 0xDEADBEEF, True, frames=(b"\x00" * 16, b"\x01" * 16)),
     m.KVLayer("r1", 29, 16, 17, 1, False),
     m.KVDone(
