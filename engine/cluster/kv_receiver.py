@@ -244,6 +244,17 @@ class KVReceiver(WrapsPool):
                     out.append(t.request_id)
         return out
 
+    def fail(self, request_id: str, reason: str) -> bool:
+        """Fail request_id's transfer now if it is still under way (its sender is known to be
+        gone, e.g. the router saw the prefill worker die on another host); the worker is told
+        through ``events`` as for any failure. False when there is nothing to fail."""
+        with self._lock:
+            t = self._transfers.get(request_id)
+            if t is None or t.finished or t.released_at is not None:
+                return False
+            self._end(t, reason)
+            return t.finished
+
     @property
     def num_transfers(self) -> int:
         with self._lock:

@@ -209,6 +209,17 @@ class FirstTokens(Message):
     outputs: list[dict]
 
 
+@dataclass(frozen=True)
+class SourceGone(Message):
+    """To the decode worker: the prefill worker sending request_id's KV died (the router saw
+    its heartbeats stop). A transfer still under way fails at once instead of waiting out its
+    deadline; on one host the decode worker sees the process go by itself."""
+
+    TYPE = "source_gone"
+    request_id: str
+    worker_id: str
+
+
 # -- KV: prefill -> decode ---------------------------------------------------------------------
 
 
@@ -290,6 +301,7 @@ MESSAGES: dict[str, type[Message]] = {
         CopyBlocks,
         Abort,
         FirstTokens,
+        SourceGone,
         KVLayer,
         KVDone,
         KVAbort,

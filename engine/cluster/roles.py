@@ -224,6 +224,10 @@ class DecodeRole:
             if first is not None:
                 exp.seen[first["index"]] = first
 
+    def source_gone(self, msg: m.SourceGone) -> None:
+        if msg.request_id in self.expected:  # the receiver reports it; on_transfer follows
+            self.receiver.fail(msg.request_id, f"prefill worker {msg.worker_id[:64]} died")
+
     def abort(self, rid: str) -> None:
         if self.expected.pop(rid, None) is not None:
             self.receiver.release(rid)

@@ -857,6 +857,11 @@ class Router:
             if w.worker_id in (req.prefill, req.decode):
                 if w.worker_id == req.prefill and req.phase == "decode":
                     req.prefill = ""  # its part is done; the decode worker carries on
+                    d = self.workers.get(req.decode)
+                    if d is not None and d.state in ("up", "draining"):
+                        # Its KV may not all have left: the decode worker need not wait out
+                        # the transfer deadline (it recomputes from the first tokens).
+                        self._send(d, m.SourceGone(req.wire_id, w.worker_id))
                     continue
                 if w.worker_id == req.prefill:
                     req.prefill = ""

@@ -308,6 +308,9 @@ class Worker:
             elif isinstance(msg, m.FirstTokens):
                 if self.cfg.role == "decode":
                     self.role.first_tokens(msg)
+            elif isinstance(msg, m.SourceGone):
+                if self.cfg.role == "decode":
+                    self.role.source_gone(msg)
             elif isinstance(msg, m.CopyBlocks):
                 if self.copier is not None:
                     self.copier.send(msg)

@@ -400,17 +400,21 @@ def test_a_sender_killed_mid_transfer_fails_it_at_once(transport):
         arena.close()
 
 
-def test_recompute_without_kvdone_goes_on_from_the_first_token_the_client_saw():
+@pytest.mark.parametrize("ending", ["deadline", "source gone"])
+def test_recompute_without_kvdone_goes_on_from_the_first_token_the_client_saw(ending):
     # The prefill worker's KVDone never arrives (it died, or its KVDone was late, after the
     # router had relayed its first token to the client). The decode worker recomputes the prompt
     # and must go on from that first token (the router's FirstTokens), not sample its own: with
-    # unseeded sampling the continuation would follow a token the client never saw.
+    # unseeded sampling the continuation would follow a token the client never saw. The
+    # transfer ends at its deadline, or at once when the router says the prefill worker died
+    # (SourceGone: across hosts the decode worker cannot watch that process itself).
     pair = Pair("shm")
     params = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True)  # unseeded
     rid, wire = "lost", params_to_wire(params)
+    deadline = 0.2 if ending == "deadline" else 600.0
     try:
         pair.sender.finish = lambda request_id, done: None  # the KVDone is lost
-        pair.decode.handle(m.DecodeRequest(rid, PROMPT, wire, 0.2))
+        pair.decode.handle(m.DecodeRequest(rid, PROMPT, wire, deadline))
         ready = pair.router.pop()
         pair.prefill.handle(
             m.PrefillRequest(
@@ -429,10 +433,17 @@ def test_recompute_without_kvdone_goes_on_from_the_first_token_the_client_saw():
             pair.prefill.after_step(pair.p_engine.step())
         (first,) = [x for x in pair.router if isinstance(x, m.Outputs)]
         pair.decode.first_tokens(m.FirstTokens(rid, first.outputs))  # as the router relays it
-        time.sleep(0.3)
-        pair.decode.check_deadlines()
+        if ending == "deadline":
+            time.sleep(0.3)
+            pair.decode.check_deadlines()
+        else:
+            pair.decode.check_deadlines()
+            assert not any(isinstance(x, m.TransferFailed) for x in pair.router)  # still waiting
+            pair.decode.source_gone(m.SourceGone(rid, "p0"))
+            pair.decode.on_transfer(pair.receiver.events.get(timeout=5))
         (failed,) = [x for x in pair.router if isinstance(x, m.TransferFailed)]
-        assert failed.recompute and "deadline" in failed.reason
+        assert failed.recompute
+        assert ("deadline" if ending == "deadline" else "prefill worker p0 died") in failed.reason
         while pair.d_engine.has_unfinished_requests():
             pair.decode.after_step(pair.d_engine.step())
         deltas = [x for x in pair.router if isinstance(x, m.Outputs) and x.worker_id == "d0"]

@@ -39,6 +39,7 @@ SAMPLES = [
     m.FirstTokens(
         "r1", [{"index": 0, "offset": 0, "token_ids": [5], "text": "a", "finish_reason": None}]
     ),
+    m.SourceGone("r1", "prefill-0"),
     m.KVLayer("r1", 3, 0, 16, 0xDEADBEEF, True, frames=(b"\x00" * 16, b"\x01" * 16)),
     m.KVLayer("r1", 29, 16, 17, 1, False),
     m.KVDone(
