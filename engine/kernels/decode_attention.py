@@ -334,18 +334,12 @@ def decode_attention_native(
     from engine.kernels import native
 
     out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                   seq_lens=seq_lens, out=out)  # fmt: skip
-    for name, t in tensors.items():
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be on the CPU for the C kernel, got {t.device}")
+    lib = native.library_for(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                             seq_lens=seq_lens, out=out)  # fmt: skip
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     if batch == 0:
         return out
-    lib = native.library()
-    if lib is None:
-        raise native.NativeUnavailable("the C kernels are not built here")
     if block_tables.dtype != torch.int32:
         block_tables = block_tables.to(torch.int32)
     if seq_lens.dtype != torch.int32:

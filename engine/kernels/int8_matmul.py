@@ -4,9 +4,9 @@ Decode at small batch streams every weight once per step, so its speed is bytes 
 step: int8 halves bf16's. The reference reads the int8 weight directly through
 ``torch._weight_int8pack_mm`` for a few rows (a GEMV-shaped kernel) and dequantizes once per call
 for more rows (prefill), where the 16-bit GEMM's FLOPs dominate anyway. On the CPU the few-row
-case runs the C kernel of native/int8_matmul.c instead: over the default model's 120 projections
-(weights streamed from memory, as in a decode step) 7.3 against 9.4 ms at 1 row and 8.1 against
-11.3 ms at 2 rows here (profiling/bench_int8.py).
+case (up to NATIVE_INT8_MAX_ROWS) runs the C kernel of native/int8_matmul.c instead: over the
+default model's 120 projections (weights streamed from memory, as in a decode step) 6.6 against
+9.9 ms at 1 row and 7.3 against 11.7 ms at 2 rows here (profiling/bench_int8.py).
 """
 
 from __future__ import annotations
@@ -46,15 +46,10 @@ def int8_matmul_native(
     check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int8,), contiguous=True)
     check_tensor("qweight", qweight, shape=(None, x.shape[1]))
     check_tensor("scales", scales, dtypes=(x.dtype,), shape=(qweight.shape[0],), contiguous=True)
-    for name, t in (("x", x), ("qweight", qweight), ("scales", scales)):
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be on the CPU for the C kernel, got {t.device}")
     rows = x.shape[0]
     if rows > NATIVE_INT8_MAX_ROWS:
         return int8_matmul_ref(x, qweight, scales)
-    lib = native.library()
-    if lib is None:
-        raise native.NativeUnavailable("the C kernels are not built here")
+    lib = native.library_for(x=x, qweight=qweight, scales=scales)
     y = torch.empty(rows, qweight.shape[0], dtype=x.dtype)
     rc = lib.engine_int8_matmul(
         native.DTYPE_CODES[x.dtype],

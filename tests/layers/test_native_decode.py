@@ -225,12 +225,11 @@ def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch):
 
 
 def test_not_for_float32_or_compiled_models():
-    llm = LLM.from_config(
-        EngineConfig(
-            model=str(tiny_model("llama")),
-            dtype="float32",
-            device="cpu",
-            cache=CacheConfig(num_blocks=16),
-        )
-    )
-    assert not llm.engine.runner.native_decode
+    def runner(dtype, **kw):
+        cfg = EngineConfig(model=str(tiny_model("llama")), dtype=dtype, device="cpu",
+                           cache=CacheConfig(num_blocks=16), **kw)  # fmt: skip
+        return LLM.from_config(cfg).engine.runner
+
+    assert not runner("float32").native_decode
+    compiled = runner("bfloat16", compile=True)  # compiles on first use: not run here
+    assert compiled.compiled and not compiled.native_decode

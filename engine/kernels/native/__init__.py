@@ -185,3 +185,15 @@ def library() -> ctypes.CDLL | None:
     if lib is None and envs.kernel_backend() == "native":
         raise NativeUnavailable(str(_state["error"]))
     return lib  # type: ignore[return-value]
+
+
+def library_for(**tensors: torch.Tensor) -> ctypes.CDLL:
+    """The loaded kernels for a call on ``tensors``: ValueError naming a tensor that is not on
+    the CPU, NativeUnavailable where the kernels cannot be built."""
+    for name, t in tensors.items():
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU for the C kernel, got {t.device}")
+    lib = library()
+    if lib is None:
+        raise NativeUnavailable("the C kernels are not built here")
+    return lib

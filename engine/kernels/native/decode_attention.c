@@ -261,6 +261,21 @@ static void attend_chunk(const Args *a, int b, int kh0, int kh1, int t0, int t1,
     for (int kh = kh0; kh < kh1; kh++) values_fn(a, table, kh, t0, t1, scores, acc);
 }
 
+/* 0 when every sequence's block table row covers its length with blocks in [0, num_blocks),
+   else -3 (shared with decode_layer.c, which checks before it writes anything). */
+int engine_check_tables(const int32_t *block_tables, const int32_t *seq_lens, int batch,
+                        int block_size, int64_t num_blocks, int64_t table_width, int64_t s_bt) {
+    for (int b = 0; b < batch; b++) {
+        const int64_t len = seq_lens[b] > 0 ? seq_lens[b] : 0;
+        const int64_t need = (len + block_size - 1) / block_size;
+        if (need > table_width) return -3;
+        const int32_t *row = block_tables + (int64_t)b * s_bt;
+        for (int64_t j = 0; j < need; j++)
+            if (row[j] < 0 || row[j] >= num_blocks) return -3;
+    }
+    return 0;
+}
+
 /* Returns 0; -1 for shapes beyond the limits; -2 when scratch memory could not be had; -3 when a
    sequence is longer than its block table row or names a block outside [0, num_blocks) (checked
    before anything is read). Strides are in elements. A sequence of length 0 gets zeros. */
@@ -274,13 +289,9 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
     if (heads > MAX_HEADS || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads ||
         CHUNK % block_size)
         return -1;
-    for (int b = 0; b < batch; b++) {
-        const int64_t need = seq_lens[b] > 0 ? ((int64_t)seq_lens[b] + block_size - 1) / block_size : 0;
-        if (need > table_width) return -3;
-        const int32_t *row = block_tables + (int64_t)b * s_bt;
-        for (int64_t j = 0; j < need; j++)
-            if (row[j] < 0 || row[j] >= num_blocks) return -3;
-    }
+    if (engine_check_tables(block_tables, seq_lens, batch, block_size, num_blocks, table_width,
+                            s_bt))
+        return -3;
     const Args a = {dt, heads, kv_heads, dim, block_size, q, k_cache, v_cache, out,
                     block_tables, seq_lens, sq_b, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
                     so_b, so_h, s_bt, scale};
