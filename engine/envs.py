@@ -56,6 +56,23 @@ def fault_kv() -> str | None:
     return os.environ.get("ENGINE_FAULT_KV") or None
 
 
+def test_max_tokens() -> int | None:
+    """ENGINE_TEST_MAX_TOKENS (tests only; never set it elsewhere): caps every request's
+    max_tokens (and min_tokens) where the engine admits it, whatever the entry point (LLM,
+    AsyncLLM, engine serve/rpc, the workers of a cluster), so that the documentation's commands
+    run as written in little time (tests/e2e/test_docs.py). None when unset."""
+    value = os.environ.get("ENGINE_TEST_MAX_TOKENS", "").strip()
+    if not value:
+        return None
+    try:
+        cap = int(value)
+    except ValueError:
+        cap = 0
+    if cap < 1:
+        raise ValueError(f"ENGINE_TEST_MAX_TOKENS must be an integer >= 1, got {value!r}")
+    return cap
+
+
 def cache_root() -> str:
     """ENGINE_CACHE_DIR, else ~/.cache/engine: where the engine keeps what it can rebuild."""
     return os.environ.get("ENGINE_CACHE_DIR") or os.path.join(

@@ -5,6 +5,7 @@ Not thread-safe: one thread owns it (the embedded LLM, or the loop thread of Asy
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -15,6 +16,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kvcache.connector import KVConnector, step_blocks
@@ -57,10 +59,27 @@ class _Parent:
     children: list[Request]
 
 
+def _test_cap(params: SamplingParams) -> SamplingParams:
+    """``params`` with max_tokens (and min_tokens) at most ENGINE_TEST_MAX_TOKENS, a test-only
+    cap (engine/envs.py), applied after validation so that it never changes what is refused."""
+    cap = envs.test_max_tokens()
+    if cap is None or params.max_tokens <= cap:
+        return params
+    return dataclasses.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         self.config = config
+        cap = envs.test_max_tokens()  # a bad value fails here, at start-up
+        if cap is not None:
+            logger.warning(
+                "ENGINE_TEST_MAX_TOKENS=%d: every request's max_tokens is capped at %d "
+                "(a test-only setting)",
+                cap,
+                cap,
+            )
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         torch.manual_seed(config.seed)
@@ -173,6 +192,7 @@ class LLMEngine:
                 raise ValueError("prompt token ids must be a list of integers")
             text, ids = prompt_text, list(prompt)
         self.validate(ids, params)
+        params = _test_cap(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._parents:
             raise ValueError(f"request_id {rid!r} is already in use")

@@ -73,6 +73,22 @@ def test_max_tokens_and_ignore_eos(llm):
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
+def test_test_only_max_tokens_cap(llm, monkeypatch):
+    """ENGINE_TEST_MAX_TOKENS (the documentation's test sets it) caps max_tokens and min_tokens
+    where a request is admitted, after validation: it never changes what is refused."""
+    monkeypatch.setenv("ENGINE_TEST_MAX_TOKENS", "3")
+    params = SamplingParams(max_tokens=12, min_tokens=8, ignore_eos=True)
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("hi", SamplingParams(max_tokens=9000))
+    monkeypatch.setenv("ENGINE_TEST_MAX_TOKENS", "0")
+    with pytest.raises(ValueError, match="ENGINE_TEST_MAX_TOKENS"):
+        llm.generate(PROMPT, params)
+    monkeypatch.delenv("ENGINE_TEST_MAX_TOKENS")
+    assert len(llm.generate(PROMPT, params)[0].outputs[0].token_ids) == 12
+
+
 def test_n_and_logprobs(llm):
     out = llm.generate(
         PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=3)
