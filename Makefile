@@ -3,6 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# make run's port (make run PORT=9000)
+PORT ?= 8000
 
 .PHONY: run generate chat test lint bench reproduce clean
 
@@ -26,7 +28,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/engine serve --model default
+	$(BIN)/engine serve --model default --port $(PORT)
 
 generate: $(STAMP)
 	$(BIN)/engine generate --model default --prompt "What is the capital of France? Answer in one sentence."

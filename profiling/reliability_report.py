@@ -23,6 +23,7 @@ last runs (`{dir}`, {n} records). The goal in the last column is "nothing".
 
 How to produce the records (each test writes its row only when its checks passed):
 
+<!-- doc-test: skip="the suites' long forms: an hour and more" -->
 ```bash
 # default suite part: closed doors, bounded fuzzing, one short chaos scenario (~2 min)
 .venv/bin/python -m pytest tests/security tests/fuzz tests/chaos -m "not slow"
