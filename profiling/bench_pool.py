@@ -1,7 +1,6 @@
 """The tiered KV pool: trace replay hit rates, tier throughput, TTFT with a pooled prefix.
 
-    .venv/bin/python profiling/bench_pool.py replay \\
-        --trace ../shared/data/mooncake_traces/conversation_trace.jsonl
+    .venv/bin/python profiling/bench_pool.py replay     # the Mooncake trace in data/traces/
     .venv/bin/python profiling/bench_pool.py replay --trace FILE --blocks 1000,10000,50000,inf \\
         --policy lru,lfu,length --json
     .venv/bin/python profiling/bench_pool.py throughput [--total-mib 256] [--ssd-dir DIR] \\
@@ -50,12 +49,13 @@ from engine.kvcache.eviction import POLICIES, make_policy  # noqa: E402
 from engine.kvcache.namespace import KVNamespace  # noqa: E402
 from engine.kvcache.ssd_tier import SsdTier  # noqa: E402
 from engine.kvcache.tier import Tier  # noqa: E402
-from engine.ports import free_port
+from engine.ports import free_port  # noqa: E402
+from profiling.sim_trace import DEFAULT_TRACE  # noqa: E402
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE_BLOCK_TOKENS = 512
 PAGE = 4096
-# The figures of ../shared/data/mooncake_traces/README.md (token hit rates, LRU) for this trace.
+# The figures of data/traces/mooncake/README.md (token hit rates, LRU) for this trace.
 README_FIGURES = {"lru": {"10000": 0.215, "50000": 0.362, "inf": 0.374}}
 
 
@@ -654,7 +654,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     rp = sub.add_parser("replay", help="hit rates of a Mooncake-format trace per policy/capacity")
-    rp.add_argument("--trace", required=True)
+    rp.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL")
     rp.add_argument("--blocks", default="1000,10000,50000,inf", help="capacities, in trace blocks")
     rp.add_argument("--policy", default=",".join(POLICIES))
     rp.add_argument("--json", action="store_true", help='print {"lru": {"1000": 0.04, ...}, ...}')

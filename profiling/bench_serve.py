@@ -12,7 +12,7 @@
 
     # a Mooncake trace, lengths scaled to 1/32 (16-token blocks), arrivals replayed 4x slower
     .venv/bin/python profiling/bench_serve.py --launch-server --dataset-name mooncake \\
-        --dataset-path /work/shared/data/mooncake_traces/conversation_trace.jsonl \\
+        --dataset-path data/traces/mooncake/conversation_trace.jsonl \\
         --mooncake-scale 0.03125 --mooncake-time-scale 4 --num-prompts 100
 
 Backends: ``openai`` streams /v1/completions (prompts sent as token ids, so input lengths are
@@ -43,7 +43,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.server.cli import _engine_args, engine_config_from_args  # noqa: E402
+from engine.server.cli import (  # noqa: E402
+    add_engine_options,
+    engine_argv,
+    engine_config_from_args,
+)
 from profiling.serve_datasets import (  # noqa: E402
     BenchRequest,
     mooncake_requests,
@@ -341,26 +345,6 @@ def plot(summaries: list[dict], path: str) -> None:
 # -- the server, the engine, the workload --------------------------------------------------------
 
 
-def engine_argv(args) -> list[str]:
-    """The engine arguments as a command line, for `engine serve`."""
-    out = [
-        "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-        "--block-size", str(args.block_size),
-        "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-num-seqs", str(args.max_num_seqs),
-    ]  # fmt: skip
-    if args.max_model_len:
-        out += ["--max-model-len", str(args.max_model_len)]
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
-    if args.quantization:
-        out += ["--quantization", args.quantization]
-    if args.compile:
-        out.append("--compile")
-    return out
-
-
 def launch_server(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -521,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-result", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of latency over time here")
     p.add_argument("--disable-tqdm", action="store_true")
-    _engine_args(p)  # for --launch-server and the embedded backend: the same engine
+    add_engine_options(p)  # for --launch-server and the embedded backend: the same engine
     args = p.parse_args(argv)
     args.goodput = parse_goodput(args.goodput)
     args.metric_percentiles = [float(x) for x in args.metric_percentiles.split(",")]

@@ -123,9 +123,9 @@ def _run_stages(serve_args: list[str]) -> None:
     llm_engine.build_model = timed_build
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    from engine.server.cli import _engine_args
+    from engine.server.cli import add_engine_options
 
-    commands.add_server_commands(sub, _engine_args)
+    commands.add_server_commands(sub, add_engine_options)
     args = parser.parse_args(["serve", "--port", "0", *serve_args])
     commands._check_limits(args)
     sock = bind_socket(args.host, 0)

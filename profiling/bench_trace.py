@@ -3,7 +3,7 @@
     .venv/bin/python profiling/bench_cluster.py --trace              # the defaults below
     .venv/bin/python profiling/bench_trace.py --window 6000 --sample 40 --replay-s 60 --reps 3
 
-The conversation trace (../shared/data/mooncake_traces/conversation_trace.jsonl), sampled and
+The conversation trace (data/traces/mooncake/conversation_trace.jsonl), sampled and
 scaled to fit SmolLM2 on this CPU with its block sharing kept:
 
 - sampled by conversation: of the first ``--window`` requests, those whose second hash id (the

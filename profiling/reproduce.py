@@ -549,7 +549,7 @@ def write_doc(path: Path, pol: dict, rej: dict, col: dict, hit: dict, r: Runner,
     add("## Commands\n")
     add(
         "Each run, as a `profiling/simulate.py` command (the trace is the default, "
-        "`../shared/data/mooncake_traces/conversation_trace.jsonl`):\n"
+        "`data/traces/mooncake/conversation_trace.jsonl`):\n"
     )
     add("```")
     for cmd in dict.fromkeys(_commands([pol, rej, col])):

@@ -1,4 +1,4 @@
-"""Mooncake-format request traces (../shared/data/mooncake_traces/README.md): one JSON object a
+"""Mooncake-format request traces (data/traces/mooncake/README.md): one JSON object a
 line with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (one chained
 id per 512-token block, the last block possibly partial)."""
 
@@ -8,13 +8,9 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1].parent
-    / "shared"
-    / "data"
-    / "mooncake_traces"
-    / "conversation_trace.jsonl"
-)
+# The Mooncake authors' one-hour conversation trace, in the repository (Apache-2.0).
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+DEFAULT_TRACE = TRACES / "mooncake" / "conversation_trace.jsonl"
 
 
 class TraceRequest(NamedTuple):

@@ -1,7 +1,7 @@
 """Replay a Mooncake-format trace on a simulated cluster driven by the real Conductor.
 
-    python profiling/simulate.py --trace ../shared/data/mooncake_traces/conversation_trace.jsonl \\
-        --prefill 8 --decode 8 --policy kvcentric --rejection predicted --speed 1.0 --json
+    python profiling/simulate.py --prefill 8 --decode 8 --policy kvcentric --rejection predicted \\
+        --speed 1.0 --json     # the Mooncake trace in data/traces/ unless --trace FILE
 
 prints one JSON object (``--json``) or a table: TTFT mean/p50/p90 over completed requests, TBT p90
 over all token intervals, completed and rejected requests, the prompt-token cache hit rate, the

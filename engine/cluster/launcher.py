@@ -2,7 +2,12 @@
 child processes (``engine worker --role ...`` on their command lines, so ``ps`` tells them
 apart), each with its own torch thread count. ``Cluster.stop`` (also on Ctrl-C or SIGTERM of
 ``engine cluster``) terminates every child, kills what does not exit, and removes their staging
-files: no orphans."""
+files: no orphans.
+
+Start-up fails fast: while the workers register, the launcher polls its children, and one that
+exits stops the others and raises ``ChildExited`` naming it (role, exit code, the last lines of
+its standard error, which is also passed through to ours) within a second, instead of waiting out
+the start timeout."""
 
 from __future__ import annotations
 
@@ -12,12 +17,58 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from typing import NamedTuple
 
 from engine.ports import free_port
 
 log = logging.getLogger(__name__)
+
+STDERR_TAIL_LINES = 20  # kept per child, for the error when it exits at start-up
+
+
+class ChildExited(RuntimeError):
+    """A worker or the pool service exited while the cluster was starting."""
+
+
+class _Child:
+    """A child process whose standard error is passed through to ours line by line, the last
+    ``STDERR_TAIL_LINES`` of it kept (bounded) for the error message if it exits early."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+        self.tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._pump = threading.Thread(target=self._relay, name=f"stderr-{name}", daemon=True)
+        self._pump.start()
+
+    def _relay(self) -> None:
+        out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+        for line in iter(self.proc.stderr.readline, b""):
+            self.tail.append(line.decode(errors="replace").rstrip())
+            try:
+                if out is not None:
+                    out.write(line)
+                    out.flush()
+                else:
+                    sys.stderr.write(line.decode(errors="replace"))
+            except (OSError, ValueError):  # our stderr closed: keep draining the pipe
+                out = None
+        self.proc.stderr.close()
+
+    def exited(self) -> ChildExited | None:
+        """The error to raise if the process has exited, else None."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        self._pump.join(2)  # the rest of its output
+        tail = "\n".join(f"    {line}" for line in self.tail) or "    (nothing)"
+        return ChildExited(
+            f"{self.name} (pid {self.proc.pid}) exited with code {code} while the cluster was "
+            f"starting; the last lines of its stderr:\n{tail}"
+        )
 
 
 class ModelMeta(NamedTuple):
@@ -74,6 +125,7 @@ class Cluster:
         self.threads = threads
         self.env = env
         self.procs: dict[str, subprocess.Popen] = {}
+        self.children: dict[str, _Child] = {}
         self.pids: list[int] = []  # every worker ever started (their staging files go at stop)
         self.pool_address = ""
         try:
@@ -86,7 +138,7 @@ class Cluster:
                 self.start_worker("prefill", f"prefill-{i}")
             for i in range(decode):
                 self.start_worker("decode", f"decode-{i}")
-            self.router.wait_for_workers(prefill, decode, start_timeout)
+            self.router.wait_for_workers(prefill, decode, start_timeout, check=self.check_children)
         except BaseException:
             self.stop()
             raise
@@ -103,12 +155,13 @@ class Cluster:
         port, events = free_port(), free_port()
         cmd = [sys.executable, "-m", "engine", "pool", "serve", *args, "--port", str(port),
                "--events-port", str(events)]  # fmt: skip
-        proc = subprocess.Popen(cmd, env=dict(os.environ if self.env is None else self.env))
-        self.procs["pool"] = proc
+        child = _Child("the pool service", cmd, dict(os.environ if self.env is None else self.env))
+        self.children["pool"] = child
+        self.procs["pool"] = child.proc
         deadline = time.monotonic() + timeout
         while True:  # until it accepts connections
-            if proc.poll() is not None:
-                raise RuntimeError(f"the pool service exited with {proc.returncode}")
+            if (err := child.exited()) is not None:
+                raise err
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 self.router.add_pool(f"pool@127.0.0.1:{port}", f"tcp://127.0.0.1:{events}")
@@ -117,6 +170,12 @@ class Cluster:
                 if time.monotonic() > deadline:
                     raise TimeoutError("the pool service did not start") from None
                 time.sleep(0.2)
+
+    def check_children(self) -> None:
+        """Raise ``ChildExited`` for the first child (worker or pool service) that has exited."""
+        for child in list(self.children.values()):
+            if (err := child.exited()) is not None:
+                raise err
 
     def worker_command(self, role: str, worker_id: str) -> list[str]:
         return [
@@ -148,8 +207,9 @@ class Cluster:
             remove_stale_arenas([old.pid])
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
-        proc = subprocess.Popen(self.worker_command(role, worker_id), env=env)
-        self.procs[worker_id] = proc
+        child = _Child(f"{role} worker {worker_id}", self.worker_command(role, worker_id), env)
+        self.children[worker_id] = child
+        proc = self.procs[worker_id] = child.proc
         self.pids.append(proc.pid)
         return proc
 

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -346,10 +346,15 @@ class Router:
         self._wake()
         self._thread.join(timeout=10)
 
-    def wait_for_workers(self, prefill: int, decode: int, timeout: float) -> None:
-        """Block until that many workers of each role are up (launcher, tests)."""
+    def wait_for_workers(
+        self, prefill: int, decode: int, timeout: float, check: Callable[[], None] | None = None
+    ) -> None:
+        """Block until that many workers of each role are up (launcher, tests). ``check`` is
+        called on every poll and may raise to end the wait (the launcher's: a child exited)."""
         deadline = time.monotonic() + timeout
         while True:
+            if check is not None:
+                check()
             up = [w for w in list(self.workers.values()) if w.state == "up"]
             if (
                 sum(w.role == "prefill" for w in up) >= prefill

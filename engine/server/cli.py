@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help='"default" (SmolLM2-135M), a GGUF or HF dir')
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto")
@@ -46,6 +47,42 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help='tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or "dram=1GiB,tcp://H:P"',
     )
+
+
+def set_options(
+    args: argparse.Namespace, add_options: Callable[[argparse.ArgumentParser], None], skip=()
+) -> list[str]:
+    """The command line that gives another process the options that ``add_options`` defines, as
+    ``args`` has them: only those whose value differs from the default (so a default is never
+    written out, and the other process applies its own), each in the form its action takes."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_options(p)
+    out: list[str] = []
+    for action in p._actions:
+        if action.dest in skip or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(action, argparse._StoreTrueAction):
+            out.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            for v in value:
+                out += [flag, str(v)]
+        elif isinstance(action, argparse._StoreAction) and action.nargs is None:
+            out += [flag, str(value)]
+        else:  # a new kind of option: say so rather than drop it
+            raise TypeError(f"cannot pass {flag} ({type(action).__name__}) on to the workers")
+    return out
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine options of this command line that were set, for another process's (the
+    workers of ``engine cluster``, a server a benchmark starts)."""
+    return set_options(args, add_engine_options)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -147,14 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate for one or more prompts and print the answers")
-    _engine_args(g)
+    add_engine_options(g)
     _sampling_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat that streams tokens")
-    _engine_args(c)
+    add_engine_options(c)
     _sampling_args(c)
     c.add_argument("--system", default=None, help="a system prompt")
     c.set_defaults(func=cmd_chat)
@@ -164,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     else:
-        add_server_commands(sub, _engine_args)
+        add_server_commands(sub, add_engine_options)
         from engine.server.cluster_commands import add_cluster_commands
 
-        add_cluster_commands(sub, _engine_args)
+        add_cluster_commands(sub, add_engine_options)
 
     from engine.kvcache.pool_cli import add_pool_commands
 

@@ -24,7 +24,7 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
     w.add_argument("--worker-id", default="", help="a stable name (default: role + random)")
     w.add_argument("--kv-host", default="127.0.0.1", help="address the KV socket binds (decode)")
     w.add_argument("--kv-staging-mb", type=int, default=1024, help="decode: KV staging arena")
-    _worker_common(w)
+    _worker_options(w)
     w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     w.set_defaults(func=cmd_worker)
 
@@ -47,12 +47,13 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
         metavar="SPEC",
         help='one KV pool service for the host, used by every worker: "dram=4GiB,ssd=PATH:50GiB"',
     )
-    _worker_common(c)
+    _worker_options(c)
     _router_args(c)
     c.set_defaults(func=cmd_cluster)
 
 
-def _worker_common(p: argparse.ArgumentParser) -> None:
+def _worker_options(p: argparse.ArgumentParser) -> None:
+    """The worker options that ``engine cluster`` also takes and passes on."""
     p.add_argument("--kv-transport", default="shm", choices=["shm", "tcp", "mooncake"])
     p.add_argument(
         "--mooncake-metadata",
@@ -176,51 +177,38 @@ def cmd_router(args: argparse.Namespace) -> int:
         router.close()
 
 
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """What ``engine cluster`` passes on to each ``engine worker`` (beyond role, router, id,
+    transport and threads, which the launcher adds): the engine and worker options that were set,
+    the staging size and the log level."""
+    from engine.server.cli import engine_argv, set_options
+
+    return (
+        engine_argv(args)
+        + set_options(args, _worker_options, skip=("kv_transport", "threads"))
+        + ["--kv-staging-mb", str(args.kv_staging_mb), "--log-level", args.log_level]
+    )
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from engine.cluster.launcher import Cluster
+    from engine.cluster.launcher import ChildExited, Cluster
 
     _logging(args.log_level)
-    passthrough = _engine_argv(args) + [
-        "--kv-load-failure",
-        args.kv_load_failure,
-        "--kv-staging-mb",
-        str(args.kv_staging_mb),
-        "--log-level",
-        args.log_level,
-        "--mooncake-metadata",
-        args.mooncake_metadata,
-    ]
-    cluster = Cluster(
-        args.prefill,
-        args.decode,
-        worker_args=passthrough,
-        router_config=_router_config(args, "tcp://127.0.0.1:0"),
-        kv_transport=args.kv_transport,
-        threads=args.threads,
-        start_timeout=args.worker_timeout,
-        pool_service=args.pool_service,
-    )
+    try:
+        cluster = Cluster(
+            args.prefill,
+            args.decode,
+            worker_args=worker_argv(args),
+            router_config=_router_config(args, "tcp://127.0.0.1:0"),
+            kv_transport=args.kv_transport,
+            threads=args.threads,
+            start_timeout=args.worker_timeout,
+            pool_service=args.pool_service,
+        )
+    except (ChildExited, TimeoutError) as e:
+        print(f"error: engine cluster did not start: {e}", file=sys.stderr)
+        return 1
     try:
         return _serve(cluster.router, args)
     finally:
         cluster.stop()
-
-
-def _engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine options of this command line, for the workers'."""
-    out = [
-        "--model", args.model,
-        "--dtype", args.dtype,
-        "--device", args.device,
-        "--block-size", str(args.block_size),
-        "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-num-seqs", str(args.max_num_seqs),
-    ]  # fmt: skip
-    if args.max_model_len is not None:
-        out += ["--max-model-len", str(args.max_model_len)]
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
-    if args.kv_pool:
-        out += ["--kv-pool", args.kv_pool]
-    return out

@@ -213,11 +213,11 @@ def test_no_live_worker_is_still_a_503_not_a_rejection():
 
 
 def test_cli_flags_reach_the_routers_conductor():
-    from engine.server.cli import _engine_args
+    from engine.server.cli import add_engine_options
     from engine.server.cluster_commands import _router_config, add_cluster_commands
 
     parser = argparse.ArgumentParser()
-    add_cluster_commands(parser.add_subparsers(dest="command"), _engine_args)
+    add_cluster_commands(parser.add_subparsers(dest="command"), add_engine_options)
     flags = ["--policy", "load", "--rejection", "early", "--ttft-slo", "5", "--tbt-slo", "0.5"]
     for command in ("cluster", "router"):
         argv = [command, *flags, "--block-size", "32"]
