@@ -10,7 +10,8 @@ only changes to what is written: the documented ports (DOC_PORTS) become free po
 ones for every block until a server block takes fresh ones for the ports it serves; paths under
 /tmp, /var/cache and /etc become paths under a directory of the block's section; and
 ENGINE_TEST_MAX_TOKENS caps every request's generation length (engine/envs.py). ``make`` reads
-the port of ``make run`` from its PORT variable, which is set to the port that stands for 8000.
+the port of ``make run`` from its PORT variable, which is set to the port that stands for 8000;
+a block that runs ``make`` skips when .venv is out of date (make would reinstall it first).
 """
 
 from __future__ import annotations
@@ -403,6 +404,7 @@ class Session:
         script.write_text(text)
         log = work / (stem + ".log")
         env = {**os.environ, "ENGINE_TEST_MAX_TOKENS": str(MAX_TOKENS), "PYTHONUNBUFFERED": "1"}
+        env.pop("TRITON_INTERPRET", None)  # set by tests/conftest.py for the suite, not by users
         if block.lang == "bash" and MAKE_RE.search(text):
             if subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode != 0:
                 raise DocSkip(

@@ -5,7 +5,9 @@ opening fence, language), in the order of the file. A bash block fails on a non-
 or a /dev/shm file of its own behind. What may differ from the text (tests/e2e/doc_runner.py):
 the documented ports (8000, 5555, 7600, ...) become free ports, paths under /tmp, /var/cache and
 /etc move under a directory of the block's section, and ENGINE_TEST_MAX_TOKENS (a test-only
-variable, engine/envs.py) caps every request's generation length. Nothing else is edited.
+variable, engine/envs.py) caps every request's generation length. Nothing else is edited
+(``make run`` reads its port from the Makefile's PORT, which the runner sets like a port in the
+text). Blocks that use the optional Mooncake backend skip, saying why, where it cannot load.
 
 Markers: an HTML comment (it does not render) on the line directly above a block, one per block,
 items separated by spaces:
