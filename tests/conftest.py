@@ -17,3 +17,18 @@ if "ENGINE_WEIGHT_CACHE_DIR" not in os.environ:
     _weights = tempfile.mkdtemp(prefix="engine-test-weights-")
     os.environ["ENGINE_WEIGHT_CACHE_DIR"] = _weights
     atexit.register(shutil.rmtree, _weights, True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The reliability records the suites held (reliab_record.record_if_the_run_passes) are
+    written only when the whole run passed; otherwise one line says why not."""
+    from reliab_record import write_held_records
+
+    interrupted = exitstatus == 2  # pytest.ExitCode.INTERRUPTED
+    line = write_held_records(session.testsfailed, interrupted)
+    if line:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(line)
+        else:
+            print(line)
