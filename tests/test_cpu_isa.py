@@ -312,3 +312,11 @@ def test_under_avx2_torch_the_c_kernels_and_the_16_bit_engines_run_as_on_an_avx2
     warnings = [m for lvl, m in out["log"] if lvl == "WARNING"]
     assert any("dtype bfloat16" in m and "slower" in m for m in warnings), warnings
     assert any("dtype float16" in m and "slower" in m for m in warnings), warnings
+
+
+def test_the_avx2_pass_of_make_test_names_tests_that_exist():
+    import cpu_paths  # tests/ is on the path (pyproject)
+
+    assert cpu_paths.CAP in CAPS
+    for path in cpu_paths.PATHS:
+        assert (REPO / path).exists(), path
