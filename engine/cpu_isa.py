@@ -312,8 +312,9 @@ def apply_to_environment() -> dict[str, str]:
     os.environ.update(wanted)
     if wanted and "torch" in sys.modules:
         logger.warning(
-            "ENGINE_CPU_ISA=%s was applied after torch was imported: torch and oneDNN may not "
-            "honour it; set it in the environment of the process",
+            "torch was imported before engine: ENGINE_CPU_ISA=%s reaches torch and oneDNN only "
+            "if they have not run an op yet (import engine first, or set %s in the environment)",
             isa.cap,
+            ", ".join(f"{k}={v}" for k, v in wanted.items()),
         )
     return wanted

@@ -1,5 +1,6 @@
 """Test-wide set-up. TRITON_INTERPRET must be set before triton is first imported, whatever the
-test order, so that Triton kernels run on CPU tensors through the interpreter."""
+test order, so that Triton kernels run on CPU tensors through the interpreter; ENGINE_CPU_ISA's
+torch variables before torch is."""
 
 import os
 
@@ -8,6 +9,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+
+# engine before any test module imports torch: under ENGINE_CPU_ISA it sets the variables that
+# cap torch and oneDNN, which they read once (engine/cpu_isa.py). It does not import torch.
+import engine  # noqa: E402, F401
 
 # Engines built in one test session share dequantized weights through a weight cache of the
 # session's own (engine/weight_cache.py): the first engine of a model and dtype writes it, later

@@ -320,3 +320,12 @@ def test_the_avx2_pass_of_make_test_names_tests_that_exist():
     assert cpu_paths.CAP in CAPS
     for path in cpu_paths.PATHS:
         assert (REPO / path).exists(), path
+
+
+def test_torch_imported_first_is_warned_about():
+    script = "import torch, engine, os; print(os.environ['ATEN_CPU_CAPABILITY'])"
+    done = subprocess.run([sys.executable, "-c", script], env=_capped_env("avx2"),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "torch was imported before engine: ENGINE_CPU_ISA=avx2" in done.stderr
+    assert done.stdout.strip() == ("avx2" if cpu_isa.this_cpu().x86 else "")

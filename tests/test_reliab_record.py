@@ -14,7 +14,7 @@ TESTS = Path(__file__).resolve().parent
 
 CONFTEST = f"""
 import importlib.util, sys
-sys.path.insert(0, {str(TESTS)!r})
+sys.path[:0] = [{str(TESTS.parent)!r}, {str(TESTS)!r}]
 spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
 suite = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(suite)
