@@ -36,8 +36,12 @@ generate: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/engine chat --model default
 
+# The suite, then its CPU-path tests again under ENGINE_CPU_ISA=avx2 in a process of their own
+# (tests/cpu_paths.py: what an AVX2-only CPU runs; skipped, saying so, where the CPU is avx2).
+# Both run; either failing fails the target.
 test: $(STAMP)
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow"; suite=$$?; $(BIN)/python tests/cpu_paths.py; \
+		capped=$$?; [ $$suite -eq 0 ] && [ $$capped -eq 0 ]
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

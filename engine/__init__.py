@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine import cpu_isa as _cpu_isa
+
+# Before anything imports torch: ENGINE_CPU_ISA caps torch, oneDNN and MKL through variables they
+# read once (engine/cpu_isa.py). An invalid value fails here, naming the variable.
+_cpu_isa.apply_to_environment()
+
+from engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 

@@ -6,32 +6,17 @@ and the limit, so a bad setting fails where it is made, not deep inside a forwar
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from engine import cpu_isa
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 QUANTIZATIONS = ("int8",)
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): there bf16 GEMMs run
-    several times faster than fp32 and halve the bytes every decode step streams. Elsewhere bf16
-    is emulated and slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -203,7 +188,8 @@ class EngineConfig:
     """Everything one engine instance needs. ``model``: "default" or a GGUF file or HF dir."""
 
     model: str = "default"
-    # auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, float32 on other CPUs. Norm
+    # auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX (engine/cpu_isa.py, under its
+    # ENGINE_CPU_ISA cap), float32 on other CPUs. Norm
     # statistics, rotary, softmax, logits and sampling stay in float32 whatever the dtype.
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
@@ -217,7 +203,9 @@ class EngineConfig:
     compile: bool = False
     # bf16 on the CPU: keep the projections' and the LM head's weights also in oneDNN's blocked
     # layout (bit-identical products without a reorder per call; layers/linear.py pack_bf16).
-    # Costs a second copy of those weights in memory; False keeps one.
+    # Costs a second copy of those weights in memory; False keeps one. Only where oneDNN packs
+    # bf16 (cpu_isa.CpuIsa.onednn_packs: AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere the
+    # plain weights serve whatever this says.
     pack_weights: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Keep a GGUF model's dequantized weights in a file (engine/weight_cache.py) and map it on
@@ -262,7 +250,7 @@ class EngineConfig:
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            if self.resolved_device().type == "cuda" or cpu_has_fast_bf16():
+            if self.resolved_device().type == "cuda" or cpu_isa.this_cpu().native_bf16:
                 return torch.bfloat16
             # int8 weights need 16-bit activations (bf16 keeps float32's range).
             return torch.bfloat16 if self.quantization else torch.float32

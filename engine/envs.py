@@ -87,3 +87,15 @@ def weight_cache_dir() -> str | None:
     if os.environ.get("ENGINE_WEIGHT_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     return os.environ.get("ENGINE_WEIGHT_CACHE_DIR") or os.path.join(cache_root(), "weights")
+
+
+def cpu_isa_cap() -> str:
+    """ENGINE_CPU_ISA: the most of this CPU the engine, torch, oneDNN and the C kernels may use,
+    "avx2", "avx512", "avx512bf16" or "native" (the default: all of it); engine/cpu_isa.py.
+    Acts on torch only when set before torch is imported, i.e. in the process's environment."""
+    value = os.environ.get("ENGINE_CPU_ISA", "native").strip().lower() or "native"
+    if value not in ("avx2", "avx512", "avx512bf16", "native"):
+        raise ValueError(
+            f"ENGINE_CPU_ISA must be one of avx2, avx512, avx512bf16, native, got {value!r}"
+        )
+    return value

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from engine import envs
+from engine import cpu_isa, envs
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kvcache.connector import KVConnector, step_blocks
@@ -140,6 +140,8 @@ class LLMEngine:
             compile=config.resolved_compile(),
             pack_weights=config.pack_weights,
         )
+        if self.device.type == "cpu":
+            self._log_cpu()
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -150,6 +152,24 @@ class LLMEngine:
         self.layer_hook: LayerHook | None = None
         self.num_steps = 0
         self.step_times = StepTimes()
+
+    def _log_cpu(self) -> None:
+        """One line on the CPU (engine/cpu_isa.py) and what this engine runs on it; a warning
+        where its 16-bit dtype is not native to the CPU and so runs slower than float32."""
+        isa = cpu_isa.this_cpu()
+        dtype = str(self.dtype).removeprefix("torch.")
+        on = {True: "on", False: "off"}
+        logger.info(
+            "%s; this engine: %s%s, packed bf16 weights %s, C decoder layers %s",
+            isa.describe(),
+            dtype,
+            f" with {self.config.quantization} weights" if self.config.quantization else "",
+            on[bool(self.runner.packed)],
+            on[bool(self.runner.native_decode)],
+        )
+        note = isa.slow_dtype_note(dtype)
+        if note:
+            logger.warning(note)
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -21,7 +21,8 @@ HEAD = """# Reliability and security: what was tried, what happened, what was lo
 Written by `python profiling/reliability_report.py` from the records the suites wrote in their
 last runs (`{dir}`, {n} records). The goal in the last column is "nothing".
 
-How to produce the records (each test writes its row only when its checks passed):
+How to produce the records (a fuzz or doors row is written at the end of a pytest run in
+which no test failed, a chaos or soak row when its run passed):
 
 <!-- doc-test: skip="the suites' long forms: an hour and more" -->
 ```bash

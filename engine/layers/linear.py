@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_isa
 from engine.layers.quant import int8_linear, quantize_int8
 
 PACK_BATCH_HINT = 16  # the rows oneDNN tunes the packed layout for (decode batches)
@@ -53,15 +54,20 @@ class Linear(torch.nn.Module):
 
 def pack_bf16(weight: torch.Tensor | None) -> torch.Tensor | None:
     """weight [out, in] in oneDNN's blocked layout for ``packed_linear``, or None where that does
-    not apply (not bf16, not on the CPU, no oneDNN). F.linear on a bf16 CPU weight reorders it on
-    every call; packed once, the same product is bit-identical and at small batches much faster
+    not apply (not bf16, not on the CPU, no oneDNN, or a CPU on which oneDNN does not pack bf16:
+    without AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. an AVX2-only one or under
+    ENGINE_CPU_ISA=avx2, where torch raises). F.linear on a bf16 CPU weight reorders it on every
+    call; packed once, the same product is bit-identical and at small batches much faster
     (here, the default model's projections: 19.7 -> 13.8 ms at 1 row, 26.9 -> 17.4 ms at 16)."""
     if (
         weight is None
         or weight.dtype != torch.bfloat16
         or weight.device.type != "cpu"
+        or not cpu_isa.this_cpu().onednn_packs("bfloat16")
         or not torch.backends.mkldnn.is_available()
         or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        # torch's own check too: a user's ONEDNN_MAX_CPU_ISA can lower oneDNN below this CPU
+        or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     ):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)

@@ -120,12 +120,30 @@ class EngineCollector(Collector):
             s.queue_time,
             s.queue_time_sum,
         )
+        yield cpu_isa_metric(self.model_name)
         yield from pool_metrics(s.kv_pool, self.model_name)
         workers = getattr(self.llm, "workers_status", None)  # a cluster's router
         if workers is not None:
             from engine.server.cluster_metrics import worker_metrics
 
             yield from worker_metrics(workers(), self.model_name)
+
+
+def cpu_isa_metric(model_name: str) -> Metric:
+    """``engine:cpu_isa_info``, always 1: this process's CPU as the engine uses it
+    (engine/cpu_isa.py under ENGINE_CPU_ISA): its model, level, cap and every feature "1" or "0".
+    A cluster's router gives its own process's (its workers are started from the same
+    environment; on another host, see that worker's log line)."""
+    from engine import cpu_isa
+
+    labels = cpu_isa.this_cpu().metric_labels()
+    g = GaugeMetricFamily(
+        PREFIX + "cpu_isa_info",
+        "The CPU this process runs on and what the engine uses of it (ENGINE_CPU_ISA caps it).",
+        labels=["model_name", *labels],
+    )
+    g.add_metric([model_name, *labels.values()], 1.0)
+    return g
 
 
 # Per-tier counters of the KV pool: (stats key, metric name, help).

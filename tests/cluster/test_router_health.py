@@ -136,6 +136,7 @@ def test_metrics_and_health_show_every_workers_state_and_load(cluster):
         assert s[key("engine:worker_heartbeat_age_seconds", worker="p1", role="prefill")] > 0.5
         # The engine's own series are still there, under their names.
         assert any(name == "engine:num_requests_running" for name, _ in s)
+        assert any(name == "engine:cpu_isa_info" for name, _ in s)  # the router's own CPU
 
         assert health.status_code == 200, health.text
         ws = health.json()["workers"]

@@ -172,7 +172,7 @@ def test_random_frames_long(worker, frames):
     _random(worker, frames)
 
 
-def test_afterwards_a_good_request_is_served_exactly(worker, request):
+def test_afterwards_a_good_request_is_served_exactly(worker):
     rss0 = psutil.Process(worker.proc.pid).memory_info().rss
     tokens = list(range(200, 232))
     msg = _prefill("good", prompt_token_ids=tokens, kv_address=worker.kv_address,
@@ -196,10 +196,9 @@ def test_afterwards_a_good_request_is_served_exactly(worker, request):
     worker.until(lambda x: worker.last_beat is not None and worker.last_beat.running == 0, 30)
     assert worker.proc.poll() is None
     grew = psutil.Process(worker.proc.pid).memory_info().rss - rss0
-    assert request.session.testsfailed == 0, "an earlier check failed: no record"
-    from reliab_record import write_record
+    from reliab_record import record_if_the_run_passes
 
-    write_record(
+    record_if_the_run_passes(
         "fuzz",
         "worker-control-socket",
         "a real prefill worker's control socket: random frames and broken headers; staging "

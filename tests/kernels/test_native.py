@@ -12,6 +12,7 @@ from paged_inputs import TOL
 from test_decode_attention import RAGGED, make_batch, naive_decode
 
 import engine.kernels as kernels
+from engine import cpu_isa
 from engine.kernels import native
 from engine.kernels.decode_attention import decode_attention_native, decode_attention_ref
 
@@ -147,6 +148,17 @@ def test_threads_come_from_torchs_openmp_runtime():
         gomp = {line.split()[-1] for line in f if line.rstrip().endswith("/libgomp.so.1")}
     assert len(gomp) == 1, gomp
     assert "torch" in gomp.pop()
+
+
+def test_built_for_this_cpu_under_its_cap():
+    # engine/cpu_isa.py decides the target: -march=native, or under ENGINE_CPU_ISA the class it
+    # names (make test's second pass: x86-64-v3), and torch runs capped alike in this process.
+    isa = cpu_isa.this_cpu()
+    assert native.compile_flags()[-len(isa.march_flags()) :] == isa.march_flags()
+    assert native.library() is not None and native.library_path().exists()
+    if isa.cap != "native" and isa.x86:
+        want = isa.torch_environment()["ATEN_CPU_CAPABILITY"].upper()
+        assert torch.backends.cpu.get_cpu_capability() == want
 
 
 def test_build_is_cached_and_a_failed_build_falls_back(monkeypatch, tmp_path, caplog):

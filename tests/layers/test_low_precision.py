@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import cpu_isa
 from engine.config import CacheConfig, EngineConfig
 from engine.kernels import native
 from engine.llm import LLM
@@ -110,11 +111,12 @@ def test_int8_needs_a_16_bit_dtype():
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
-    import engine.config as config
-
-    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    # engine/cpu_isa.py decides (under ENGINE_CPU_ISA); tests/test_cpu_isa.py has each class.
+    v4 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    bf16 = cpu_isa.from_flags(v4 | {"avx512_bf16"}, "bf16", "x86_64")
+    monkeypatch.setattr(cpu_isa, "this_cpu", lambda: bf16)
     assert EngineConfig(device="cpu").resolved_dtype() == torch.bfloat16
-    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(cpu_isa, "this_cpu", lambda: cpu_isa.from_flags(v4, "v4", "x86_64"))
     assert EngineConfig(device="cpu").resolved_dtype() == torch.float32
     assert EngineConfig(device="cpu", quantization="int8").resolved_dtype() == torch.bfloat16
 
@@ -134,6 +136,17 @@ def test_compiled_layers_agree_with_eager(reference):
         assert want in got
 
 
+# oneDNN packs bf16 weights only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT (not on an AVX2-only
+# CPU, nor under ENGINE_CPU_ISA=avx2); elsewhere the engine keeps the plain weights, which
+# tests/test_cpu_isa.py checks.
+needs_packing = pytest.mark.skipif(
+    not cpu_isa.this_cpu().onednn_packs("bfloat16"),
+    reason="oneDNN packs bf16 weights only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT "
+    f"(this CPU: level {cpu_isa.this_cpu().level})",
+)
+
+
+@needs_packing
 def test_packed_bf16_weights_give_the_same_logits_bit_for_bit():
     """pack_weights (the default) keeps a oneDNN-blocked copy of every bf16 projection and of
     the LM head: a pure speed change, so the logits equal the unpacked model's exactly."""
@@ -152,6 +165,7 @@ def test_packed_bf16_weights_give_the_same_logits_bit_for_bit():
     assert got == want
 
 
+@needs_packing
 @pytest.mark.parametrize("rows", [0, 1, 7, 16, 300])
 def test_packed_linear_equals_f_linear(rows):
     from engine.layers.linear import pack_bf16, packed_linear

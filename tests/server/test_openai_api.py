@@ -10,6 +10,8 @@ import openai
 import pytest
 from serverutil import MAX_MODEL_LEN, MODEL, http_server, wait_idle
 
+from engine import cpu_isa
+
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -231,9 +233,11 @@ def test_metrics_names(client, http):
         "engine:generation_tokens_total",
         "engine:request_success_total",
         "engine:request_rejected_total",
+        "engine:cpu_isa_info",
     ):
         assert name in text, name
     assert 'model_name="default"' in text
+    assert f'level="{cpu_isa.this_cpu().level}"' in text  # engine/cpu_isa.py, under its cap
 
 
 def test_non_streaming_disconnect_aborts(server, llm):

@@ -4,9 +4,12 @@ On the CPU the engine's hot paths were torch references: a dozen ops per layer, 
 memory. The C sources beside this file do the same work in one pass (each lives next to the
 Triton kernel and the torch reference of its family, and has the same signature behind its
 launcher; decode_layer.c runs a whole decoder layer, see engine/layers/native_decode.py). They
-are compiled once per source, compiler and CPU into ``ENGINE_CACHE_DIR/native``
+are compiled once per source, compiler and target into ``ENGINE_CACHE_DIR/native``
 (``~/.cache/engine/native``), in about two seconds (the sources in parallel), with ``-O3
--march=native -fopenmp``; later processes load the cached library. OpenMP comes from the
+-fopenmp`` and the target flags of engine/cpu_isa.py (``-march=native``, or under
+``ENGINE_CPU_ISA`` ``-march=x86-64-v3`` for avx2, ``x86-64-v4`` for avx512, v4 with
+``-mavx512bf16 -mavx512vnni`` for avx512bf16; ``compile_flags()``); later processes load the
+cached library. OpenMP comes from the
 ``libgomp.so.1`` torch has already loaded, so a kernel's threads are torch's own team, not a
 second one competing for the cores.
 
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from engine import envs
+from engine import cpu_isa, envs
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +40,12 @@ SOURCES = ("decode_attention.c", "decode_layer.c", "int8_matmul.c")
 HEADERS = ("dtypes.h", "gemv.h")
 # The element types the kernels take, by the codes of dtypes.h.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-Wall")  # and the target's (compile_flags)
 _HERE = Path(__file__).resolve().parent
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": the CDLL or None, "error": why it is None
+# "lib": the CDLL or None, "error": why it is None, "path": the loaded library's file
+_state: dict[str, object] = {}
 
 _I, _I64, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
@@ -66,15 +70,10 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
+def compile_flags() -> tuple[str, ...]:
+    """The flags the kernels are compiled with here: FLAGS and this CPU's target under its
+    ENGINE_CPU_ISA cap (cpu_isa.CpuIsa.march_flags)."""
+    return (*FLAGS, *cpu_isa.this_cpu().march_flags())
 
 
 def _build_key(cc: str) -> str:
@@ -85,9 +84,12 @@ def _build_key(cc: str) -> str:
         h.update(str(os.stat(resolved).st_mtime_ns).encode())
     except OSError:
         pass
-    h.update(" ".join(FLAGS).encode())
+    flags = compile_flags()
+    h.update(" ".join(flags).encode())
     h.update(platform.machine().encode())
-    h.update(_cpu_flags().encode())
+    if "-march=native" in flags:  # what native means is this CPU's
+        h.update(cpu_isa.this_cpu().model.encode())
+        h.update(" ".join(sorted(cpu_isa.this_cpu().hardware_flags)).encode())
     for name in SOURCES + HEADERS:
         h.update((_HERE / name).read_bytes())
     return h.hexdigest()[:20]
@@ -106,7 +108,7 @@ def _build(cc: str) -> Path:
     try:
         with tempfile.TemporaryDirectory(dir=out_dir) as work:
             objects = _compile_all(cc, Path(work))
-            _run([cc, *FLAGS, *objects, "-o", tmp, "-lm"])
+            _run([cc, *compile_flags(), *objects, "-o", tmp, "-lm"])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -117,7 +119,7 @@ def _build(cc: str) -> Path:
 def _compile_all(cc: str, work: Path) -> list[str]:
     """Every source to an object file in ``work``, all at once (decode_layer.c alone takes
     ~1.5 s here); the objects' paths."""
-    flags = [f for f in FLAGS if f != "-shared"]
+    flags = [f for f in compile_flags() if f != "-shared"]
     jobs: list[tuple[list[str], subprocess.Popen]] = []
     try:
         for src in SOURCES:
@@ -162,6 +164,7 @@ def _load() -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"building the C kernels failed: {e}") from e
     lib = ctypes.CDLL(str(path))
+    _state["path"] = path
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
@@ -185,6 +188,13 @@ def library() -> ctypes.CDLL | None:
     if lib is None and envs.kernel_backend() == "native":
         raise NativeUnavailable(str(_state["error"]))
     return lib  # type: ignore[return-value]
+
+
+def library_path() -> Path | None:
+    """The file of the loaded kernels (built for compile_flags()), None before library() loaded
+    them or where they could not be built."""
+    path = _state.get("path") if _state.get("lib") is not None else None
+    return path  # type: ignore[return-value]
 
 
 def library_for(**tensors: torch.Tensor) -> ctypes.CDLL:
