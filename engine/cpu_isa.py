@@ -131,6 +131,14 @@ class CpuIsa:
         computed in float32."""
         return self.avx512_fp16
 
+    @property
+    def c_float_row_dots(self) -> bool:
+        """Whether the C kernels' row dots over 16-bit float weights (native/gemv.h) have their
+        vector paths here (AVX-512 F and BW; the bf16 ones vdpbf16ps with AVX512-BF16). Below,
+        they are plain loops, slower than the torch layers' oneDNN GEMMs, so the C decoder layers
+        serve 16-bit weights only where this holds (int8 weights everywhere)."""
+        return self.avx512f and self.avx512bw
+
     def onednn_packs(self, dtype_name: str) -> bool:
         """Whether oneDNN can hold weights of ``dtype_name`` ("bfloat16", "float16") in its
         blocked layout (``torch.ops.mkldnn._reorder_linear_weight``). torch refuses elsewhere:

@@ -305,7 +305,8 @@ def test_under_avx2_torch_the_c_kernels_and_the_16_bit_engines_run_as_on_an_avx2
     for name, (text, packed, native_decode) in out["answers"].items():
         assert "Paris" in text, (name, text)
         assert not packed, name  # oneDNN cannot pack bf16 on AVX2: the plain weights serve
-        assert native_decode == out["built"], name
+        # C decoder layers for int8 weights; the 16-bit ones' row dots are plain loops on AVX2
+        assert native_decode == (out["built"] and name.endswith("int8")), name
     assert out["auto"] == "torch.float32"
     info = [m for lvl, m in out["log"] if lvl == "INFO" and "ISA level" in m]
     assert info and "ISA level avx2" in info[0] and "packed bf16 weights off" in info[0]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from engine import cpu_isa
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kernels import native
 from engine.kvcache.paged_cache import PagedKVCache
@@ -192,6 +193,11 @@ def test_bad_slots_positions_and_tables_raise_and_write_nothing():
         assert not cache.kv.any(), name
 
 
+@pytest.mark.skipif(
+    not cpu_isa.this_cpu().c_float_row_dots,
+    reason="the engine serves bf16 weights by the C layers only where their row dots have the "
+    "AVX-512 paths (test_which_weights_take_them_on_this_cpu checks the rest)",
+)
 def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch):
     calls = []
     real_run = NativeDecoder.run
@@ -233,3 +239,18 @@ def test_not_for_float32_or_compiled_models():
     assert not runner("float32").native_decode
     compiled = runner("bfloat16", compile=True)  # compiles on first use: not run here
     assert compiled.compiled and not compiled.native_decode
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler: no C layers at all")
+def test_which_weights_take_them_on_this_cpu():
+    """int8 weights on every CPU; 16-bit weights only where the C row dots have their AVX-512
+    paths (cpu_isa.CpuIsa.c_float_row_dots): below, those are plain loops, slower than the torch
+    layers (make test runs this again under ENGINE_CPU_ISA=avx2)."""
+
+    def runner(**kw):
+        cfg = EngineConfig(model=str(tiny_model("llama")), dtype="bfloat16", device="cpu",
+                           cache=CacheConfig(num_blocks=16), **kw)  # fmt: skip
+        return LLM.from_config(cfg).engine.runner
+
+    assert runner(quantization="int8").native_decode
+    assert runner().native_decode == cpu_isa.this_cpu().c_float_row_dots
