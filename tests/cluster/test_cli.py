@@ -14,6 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
+from cluster_procs import wait_healthy
 
 from engine.client import RPCClient
 from engine.cluster.launcher import free_port
@@ -30,19 +31,6 @@ def env():
     e = dict(os.environ, OMP_NUM_THREADS="1")
     e["PYTHONPATH"] = os.getcwd() + os.pathsep + e.get("PYTHONPATH", "")
     return e
-
-
-def wait_healthy(url: str, proc, timeout=240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the server exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("the cluster did not become healthy")
 
 
 def complete(url: str) -> str:

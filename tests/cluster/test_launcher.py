@@ -14,6 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
+from cluster_procs import wait_healthy
 
 from engine.ports import free_port
 
@@ -40,16 +41,7 @@ def test_cluster_command_with_its_defaults_serves():
     url = f"http://127.0.0.1:{port}"
     children: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, f"engine cluster exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "engine cluster did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, proc)
         children = psutil.Process(proc.pid).children(recursive=True)
         body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 8,
                 "temperature": 0}  # fmt: skip

@@ -305,6 +305,17 @@ class Tracker:
         self.leftovers(timeout=5)
         self.shm_leaks()
 
+    def problems(self) -> list[str]:
+        """What the block left behind: processes, /dev/shm files (after ``close``)."""
+        problems = []
+        left = self.leftovers()
+        if left:
+            problems.append(f"left processes behind: {left}")
+        leaks = self.shm_leaks()
+        if leaks:
+            problems.append(f"left files in /dev/shm: {leaks}")
+        return problems
+
 
 @dataclass(eq=False)
 class Server:
@@ -473,15 +484,8 @@ class Session:
                 f"{block.id} did not finish within {BLOCK_TIMEOUT_S:.0f} s:\n{_tail(log)}"
             ) from None
         tracker.close()
-        problems = []
-        if rc != 0:
-            problems.append(f"exited with {rc}")
-        left = tracker.leftovers()
-        if left:
-            problems.append(f"left processes behind: {left}")
-        leaks = tracker.shm_leaks()
-        if leaks:
-            problems.append(f"left files in /dev/shm: {leaks}")
+        problems = [f"exited with {rc}"] if rc != 0 else []
+        problems += tracker.problems()
         if problems:
             what = "; ".join(problems)
             raise DocFailure(f"{block.id} {what}:\n{text}\n--- output:\n{_tail(log)}")
@@ -545,12 +549,7 @@ class Session:
                 if rc != 0:
                     problems.append(f"exited with {rc} after SIGTERM")
         tracker.close()
-        left = tracker.leftovers()
-        if left:
-            problems.append(f"left processes behind: {left}")
-        leaks = tracker.shm_leaks()
-        if leaks:
-            problems.append(f"left files in /dev/shm: {leaks}")
+        problems += tracker.problems()
         if problems:
             raise DocFailure(f"{block.id} {'; '.join(problems)}\n--- output:\n{_tail(server.log)}")
         print(f"--- {block.id} stopped (exit 0); output:\n{_tail(server.log)}")
