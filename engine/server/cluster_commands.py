@@ -129,11 +129,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _router_config(args: argparse.Namespace, address: str):
     from engine.cluster.router import RouterConfig
 
+    if args.max_pending is not None and args.max_pending < 1:
+        raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
+    pending = {} if args.max_pending is None else {"max_pending": args.max_pending}
     return RouterConfig(
         address=address,
         model=args.model,
         heartbeat_timeout_s=args.heartbeat_timeout,
         stream_layers=not args.no_layer_streaming,
+        **pending,
         **placement_config(args),
     )
 

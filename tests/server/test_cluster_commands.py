@@ -11,7 +11,12 @@ import argparse
 import pytest
 
 from engine.server.cli import add_engine_options, engine_config_from_args
-from engine.server.cluster_commands import _worker_options, add_cluster_commands, worker_argv
+from engine.server.cluster_commands import (
+    _router_config,
+    _worker_options,
+    add_cluster_commands,
+    worker_argv,
+)
 
 BASE = ["cluster", "--prefill", "1", "--decode", "1"]
 # Option values that must be well-formed (the rest are derived from the option's type).
@@ -93,3 +98,15 @@ def test_every_engine_option_is_an_option_of_cluster_and_worker():
     for action in option_actions(add_engine_options):
         for command in ("cluster", "worker"):
             assert action.option_strings[0] in sub[command]._option_string_actions, command
+
+
+@pytest.mark.parametrize("command", ["cluster", "router"])
+def test_max_pending_reaches_the_router(command):
+    """``--max-pending`` bounds the requests the router holds (it was accepted and ignored)."""
+    words = BASE if command == "cluster" else ["router"]
+    args = parser().parse_args([*words, "--max-pending", "7"])
+    assert _router_config(args, "tcp://127.0.0.1:0").max_pending == 7
+    default = _router_config(parser().parse_args(words), "tcp://127.0.0.1:0")
+    assert default.max_pending == 4096
+    with pytest.raises(ValueError, match="--max-pending must be >= 1"):
+        _router_config(parser().parse_args([*words, "--max-pending", "0"]), "tcp://127.0.0.1:0")
