@@ -53,7 +53,7 @@ PAPER_TABLE1 = {  # capacity in 512-token blocks -> LRU, LFU, LengthAware
 def command(cfg: SimConfig, speed: float, duration: float) -> str:
     """The simulate.py command line of a run."""
     d = SimConfig()
-    parts = ["python profiling/simulate.py"]
+    parts = [".venv/bin/python profiling/simulate.py"]
     if cfg.colocated:
         parts.append(f"--colocated {cfg.colocated}")
     else:
@@ -551,7 +551,9 @@ def write_doc(path: Path, pol: dict, rej: dict, col: dict, hit: dict, r: Runner,
         "Each run, as a `profiling/simulate.py` command (the trace is the default, "
         "`data/traces/mooncake/conversation_trace.jsonl`):\n"
     )
-    add("```")
+    # The doc runner (tests/e2e/test_docs.py) reads the marker: make reproduce runs these.
+    add('<!-- doc-test: skip="about 10 minutes in all; make reproduce runs them" -->')
+    add("```bash")
     for cmd in dict.fromkeys(_commands([pol, rej, col])):
         add(cmd)
     add("```")
