@@ -5,7 +5,8 @@ their per-call overhead cost more than reading the weights did. ``NativeDecoder`
 layer to the C code once (weight pointers, shapes, cache views) and then runs a decode-only step
 of up to ``MAX_ROWS`` sequences as one C call per layer. The torch layers stay the reference and
 serve everything else (prefill chunks, mixed steps, larger batches, float32, compiled layers,
-machines without a C compiler).
+machines without a C compiler). The C structs' ctypes mirrors (Layer, Proj, Step) live in
+engine/kernels/native/structs.py, where the library's loader checks them against C.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.kernels.native.structs import Layer, Proj, Step
 from engine.layers.attention_metadata import AttentionMetadata
 
 # Up to here the C layers beat the torch layers (their oneDNN GEMMs) at every row count measured:
@@ -23,7 +25,6 @@ from engine.layers.attention_metadata import AttentionMetadata
 MAX_ROWS = 16
 W_I8 = 3  # gemv.h's weight code for int8
 
-_C, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ERRORS = {
     -1: "shapes beyond the C layer's limits",
     -2: "out of memory",
@@ -31,43 +32,11 @@ _ERRORS = {
 }
 
 
-class _Proj(ctypes.Structure):
-    _fields_ = [("wt", _C), ("w", _P), ("scales", _P), ("bias", _P), ("n", _I64), ("k", _I64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("dt", _C),
-        *((name, _C) for name in ("hidden", "heads", "kv_heads", "dim", "inter", "qk_norm")),
-        ("block_size", _C),
-        ("eps", _F),
-        ("scale", _F),
-        *((name, _P) for name in ("ln1", "ln2", "q_norm", "k_norm")),
-        *((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
-        ("k_cache", _P),
-        ("v_cache", _P),
-        *((name, _I64) for name in ("num_blocks", "sk_b", "sk_s", "sk_h", "sv_b", "sv_s", "sv_h")),
-    ]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("rows", _C),
-        ("threads", _C),
-        *((name, _P) for name in ("positions", "slots", "block_tables", "seq_lens")),
-        ("table_width", _I64),
-        ("s_bt", _I64),
-        ("cos", _P),
-        ("sin_signed", _P),
-        ("max_pos", _I64),
-    ]
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _proj(lin, dtype: torch.dtype, codes: dict[torch.dtype, int]) -> _Proj | None:
+def _proj(lin, dtype: torch.dtype, codes: dict[torch.dtype, int]) -> Proj | None:
     """The C description of a Linear, or None where its weights are in a form the C layer does
     not read (a float weight in another dtype than the model's)."""
     bias = lin.bias
@@ -77,11 +46,11 @@ def _proj(lin, dtype: torch.dtype, codes: dict[torch.dtype, int]) -> _Proj | Non
         qw, scales = lin.qweight, lin.scales
         if not (qw.is_contiguous() and scales.dtype == dtype and scales.is_contiguous()):
             return None
-        return _Proj(W_I8, qw.data_ptr(), scales.data_ptr(), _ptr(bias), *qw.shape)
+        return Proj(W_I8, qw.data_ptr(), scales.data_ptr(), _ptr(bias), *qw.shape)
     w = lin.weight
     if w is None or w.dtype != dtype or not w.is_contiguous():
         return None
-    return _Proj(codes[dtype], w.data_ptr(), None, _ptr(bias), *w.shape)
+    return Proj(codes[dtype], w.data_ptr(), None, _ptr(bias), *w.shape)
 
 
 class NativeDecoder:
@@ -91,7 +60,7 @@ class NativeDecoder:
     def __init__(self, model, lib: ctypes.CDLL, codes: dict[torch.dtype, int]) -> None:
         self.lib = lib
         cfg, dtype = model.cfg, model.dtype
-        self.layers: list[_Layer] = []
+        self.layers: list[Layer] = []
         for layer in model.layers:
             attn = layer.attn
             lins = (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -100,7 +69,7 @@ class NativeDecoder:
                 raise ValueError("layer weights or KV cache in a form the C layer does not take")
             kc, vc = attn.k_cache, attn.v_cache
             self.layers.append(
-                _Layer(
+                Layer(
                     codes[dtype],
                     cfg.hidden_size,
                     cfg.num_heads,
@@ -140,7 +109,7 @@ class NativeDecoder:
         lens = meta.decode_seq_lens.to(torch.int32).contiguous()
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        step = _Step(
+        step = Step(
             hidden.shape[0],
             torch.get_num_threads(),
             positions.data_ptr(),

@@ -13,8 +13,14 @@ cached library. OpenMP comes from the
 ``libgomp.so.1`` torch has already loaded, so a kernel's threads are torch's own team, not a
 second one competing for the cores.
 
-Without a compiler, or when the build fails, ``library()`` returns None once with a warning and
-the torch references stay in use; ``ENGINE_KERNELS=native`` makes that an error instead.
+The structs Python passes (decode_layer.c's ``Proj``, ``Layer``, ``Step``) are mirrored as ctypes
+structs in structs.py; C declares each by one field list, from which come both the struct and the
+layout ``engine_struct_layout`` reports, and every load compares that layout (names, types,
+offsets, sizes) with the mirrors, so a library whose structs differ is not used.
+
+Without a compiler, or when the build fails or its structs differ from their mirrors,
+``library()`` returns None once with a warning and the torch references stay in use;
+``ENGINE_KERNELS=native`` makes that an error instead.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 import torch
 
 from engine import cpu_isa, envs
+from engine.kernels.native import structs
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +61,10 @@ _SIGNATURES = {
     "engine_decode_attention": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
     + [_I64] * 13
     + [_F, _I],
-    # layer, step, hidden (structs of native_decode.py)
+    # layer, step, hidden (structs.Layer, structs.Step)
     "engine_decode_layer": [_P, _P, _P],
+    # which struct, which field (-1: the struct), &name, &type, &offset, &size
+    "engine_struct_layout": structs.SIGNATURE,
     # dtype, x, qweight, scales, y, rows, N, K, x row stride, y row stride, threads
     "engine_int8_matmul": [_I, _P, _P, _P, _P, _I, _I64, _I64, _I64, _I64, _I],
 }
@@ -169,6 +178,12 @@ def _load() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
+    problems = structs.check(lib)
+    if problems:
+        raise NativeUnavailable(
+            f"the C structs and their ctypes mirrors (engine/kernels/native/structs.py) differ in "
+            f"{path}: {'; '.join(problems)}"
+        )
     return lib
 
 

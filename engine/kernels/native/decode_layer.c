@@ -13,6 +13,7 @@
    point (RMSNorm statistics, rotary, softmax and all sums in float32). */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,34 +37,117 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
                             int64_t sv_h, int64_t so_b, int64_t so_h, int64_t s_bt, float scale,
                             int num_threads);
 
-/* A projection y = x W^T (* scales) (+ bias). Field order is mirrored by native_decode.py. */
+/* The structs Python passes (layer, step), each declared by one field list, X(type, name) per
+   field: the typedef and the layout engine_struct_layout reports come from the same list, and
+   engine/kernels/native/__init__.py compares that layout at load with the ctypes mirrors of
+   engine/kernels/native/structs.py (names, types, sizes, offsets), so a field added, moved or
+   retyped on one side only stops the load instead of shifting the other side's fields. */
+#define DECLARE_FIELD(T, f) T f;
+
+/* A projection y = x W^T (* scales) (+ bias). */
+#define PROJ_FIELDS(X)                                                                            \
+    X(int, wt)              /* weight code (gemv.h): the model dtype's, or W_I8 */                \
+    X(const void *, w)      /* [n, k] contiguous */                                               \
+    X(const void *, scales) /* [n] in the model dtype (int8 only) */                              \
+    X(const void *, bias)   /* [n] in the model dtype, or NULL */                                 \
+    X(int64_t, n)                                                                                 \
+    X(int64_t, k)
 typedef struct {
-    int wt;             /* weight code (gemv.h): the model dtype's, or W_I8 */
-    const void *w;      /* [n, k] contiguous */
-    const void *scales; /* [n] in the model dtype (int8 only) */
-    const void *bias;   /* [n] in the model dtype, or NULL */
-    int64_t n, k;
+    PROJ_FIELDS(DECLARE_FIELD)
 } Proj;
 
+#define LAYER_FIELDS(X)                                                                           \
+    X(int, dt) /* the model dtype: activations, norms, biases, scales and the KV cache */         \
+    X(int, hidden)                                                                                \
+    X(int, heads)                                                                                 \
+    X(int, kv_heads)                                                                              \
+    X(int, dim)                                                                                   \
+    X(int, inter)                                                                                 \
+    X(int, qk_norm)                                                                               \
+    X(int, block_size)                                                                            \
+    X(float, eps)                                                                                 \
+    X(float, scale)                                                                               \
+    X(const void *, ln1)    /* [hidden] */                                                        \
+    X(const void *, ln2)    /* [hidden] */                                                        \
+    X(const void *, q_norm) /* [dim] (or NULL) */                                                 \
+    X(const void *, k_norm) /* [dim] (or NULL) */                                                 \
+    X(Proj, qkv)                                                                                  \
+    X(Proj, o)                                                                                    \
+    X(Proj, gate_up)                                                                              \
+    X(Proj, down)                                                                                 \
+    X(void *, k_cache) /* [num_blocks, block_size, kv_heads, dim], last dim contiguous */         \
+    X(void *, v_cache) /* as k_cache */                                                           \
+    X(int64_t, num_blocks)                                                                        \
+    X(int64_t, sk_b)                                                                              \
+    X(int64_t, sk_s)                                                                              \
+    X(int64_t, sk_h)                                                                              \
+    X(int64_t, sv_b)                                                                              \
+    X(int64_t, sv_s)                                                                              \
+    X(int64_t, sv_h)
 typedef struct {
-    int dt; /* the model dtype: activations, norms, biases, scales and the KV cache */
-    int hidden, heads, kv_heads, dim, inter, qk_norm, block_size;
-    float eps, scale;
-    const void *ln1, *ln2, *q_norm, *k_norm; /* [hidden], [hidden], [dim], [dim] (or NULL) */
-    Proj qkv, o, gate_up, down;
-    void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, dim], last dim contiguous */
-    int64_t num_blocks, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h;
+    LAYER_FIELDS(DECLARE_FIELD)
 } Layer;
 
+#define STEP_FIELDS(X)                                                                            \
+    X(int, rows)                                                                                  \
+    X(int, threads)                                                                               \
+    X(const int64_t *, positions)    /* [rows] */                                                 \
+    X(const int64_t *, slots)        /* [rows]; slot -1: not written */                           \
+    X(const int32_t *, block_tables) /* [rows, table_width], row stride s_bt */                   \
+    X(const int32_t *, seq_lens)     /* [rows], including this token */                           \
+    X(int64_t, table_width)                                                                       \
+    X(int64_t, s_bt)                                                                              \
+    X(const float *, cos)        /* [max_pos, dim] (RotaryEmbedding's tables) */                  \
+    X(const float *, sin_signed) /* [max_pos, dim] */                                             \
+    X(int64_t, max_pos)
 typedef struct {
-    int rows, threads;
-    const int64_t *positions, *slots; /* [rows]; slot -1: not written */
-    const int32_t *block_tables;      /* [rows, table_width], row stride s_bt */
-    const int32_t *seq_lens;          /* [rows], including this token */
-    int64_t table_width, s_bt;
-    const float *cos, *sin_signed; /* [max_pos, dim] (RotaryEmbedding's tables) */
-    int64_t max_pos;
+    STEP_FIELDS(DECLARE_FIELD)
 } Step;
+
+typedef struct {
+    const char *name, *type;
+    int64_t offset, size;
+} FieldLayout;
+#define LAYOUT_ROW(T, f) \
+    {#f, #T, (int64_t)offsetof(LAYOUT_OF, f), (int64_t)sizeof(((LAYOUT_OF *)0)->f)},
+#define LAYOUT_OF Proj
+static const FieldLayout proj_layout[] = {PROJ_FIELDS(LAYOUT_ROW)};
+#undef LAYOUT_OF
+#define LAYOUT_OF Layer
+static const FieldLayout layer_layout[] = {LAYER_FIELDS(LAYOUT_ROW)};
+#undef LAYOUT_OF
+#define LAYOUT_OF Step
+static const FieldLayout step_layout[] = {STEP_FIELDS(LAYOUT_ROW)};
+#undef LAYOUT_OF
+
+#define LAYOUT_STRUCT(S, rows) \
+    {#S, (int64_t)sizeof(S), rows, (int)(sizeof(rows) / sizeof(rows[0]))}
+static const struct {
+    const char *name;
+    int64_t size;
+    const FieldLayout *fields;
+    int count;
+} layouts[] = {
+    LAYOUT_STRUCT(Proj, proj_layout),
+    LAYOUT_STRUCT(Layer, layer_layout),
+    LAYOUT_STRUCT(Step, step_layout),
+};
+
+/* The layout of mirrored struct `which` (0, 1, ...): with field -1 its name and sizeof (type NULL,
+   offset 0), else its field-th field's name, C type (as written in the list), offset and size.
+   Returns the struct's field count; -1 past the last struct or field. */
+int engine_struct_layout(int which, int field, const char **name, const char **type,
+                         int64_t *offset, int64_t *size) {
+    if (which < 0 || which >= (int)(sizeof(layouts) / sizeof(layouts[0]))) return -1;
+    if (field < -1 || field >= layouts[which].count) return -1;
+    if (field == -1) {
+        *name = layouts[which].name, *type = NULL, *offset = 0, *size = layouts[which].size;
+    } else {
+        const FieldLayout *f = &layouts[which].fields[field];
+        *name = f->name, *type = f->type, *offset = f->offset, *size = f->size;
+    }
+    return layouts[which].count;
+}
 
 /* f rounded to dtype dt, as float32: where the torch layer stores a tensor in the model dtype. */
 static inline float rnd(int dt, float f) {
