@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from engine.checkpoint import Checkpoint, TensorSource
 from engine.config import ModelConfig, RopeScaling
-from engine.model_loader import Checkpoint, TensorSource
 from engine.tokenizer import tokenizer_from_gguf
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3")

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from tokenizers import Regex, normalizers
 from tokenizers import Tokenizer as Backend
 
+from engine.checkpoint import Checkpoint, TensorSource
 from engine.config import ModelConfig, RopeScaling
-from engine.model_loader import Checkpoint, TensorSource
 from engine.tokenizer import (
     Tokenizer,
     add_special_tokens_by_type,

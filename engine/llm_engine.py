@@ -31,7 +31,8 @@ from engine.prompt_logprobs import fill_prompt_logprobs, rows_wanted
 from engine.request import Request
 from engine.sampling import Sampler, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import QueueFullError, ScheduledRequest, Scheduler, SchedulerOutput
+from engine.scheduler import QueueFullError, Scheduler
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.stop_conditions import check_stop, safe_text_len
 
 logger = logging.getLogger("engine")

@@ -12,14 +12,16 @@ import contextlib
 import importlib.util
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
+from engine.checkpoint import Checkpoint
 from engine.config import ModelConfig
+from engine.gguf_loader import load_gguf_checkpoint
+from engine.hf_loader import load_hf_checkpoint
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -35,26 +37,6 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     path: str
-
-
-class TensorSource(NamedTuple):
-    """Where one weight is: ``file`` and ``name`` as stored there, its shape in HF layout, and how
-    to read it (a float tensor in HF layout, any float dtype)."""
-
-    file: str
-    name: str
-    shape: tuple[int, ...]
-    load: Callable[[], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """What a format reader hands back: nothing is read from the tensors yet."""
-
-    config: ModelConfig
-    tokenizer: Tokenizer
-    tensors: dict[str, TensorSource]  # HF name -> source
-    location: str  # the file (or directory of shards) a missing tensor should be in
 
 
 def resolve_model_path(model: str) -> str:
@@ -90,10 +72,6 @@ def load_model(
 
 def open_checkpoint(model: str) -> tuple[str, Checkpoint]:
     """The file or directory ``model`` names, and its config, tokenizer and (unread) tensors."""
-    # Imported here: both readers import TensorSource and Checkpoint from this module.
-    from engine.gguf_loader import load_gguf_checkpoint
-    from engine.hf_loader import load_hf_checkpoint
-
     path = resolve_model_path(model)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))

@@ -13,7 +13,7 @@ from engine import envs
 from engine.kvcache.paged_cache import PagedKVCache
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.llama import LayerHook, LlamaForCausalLM
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 
 
 class StepResult(NamedTuple):

@@ -17,40 +17,18 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kvcache.connector import KVConnector
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
     """The admission queue is full; the caller should retry later (HTTP 429)."""
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens to run this step, from request.num_computed_tokens on
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the request's tokens, so it yields a token."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.server.cli import (  # noqa: E402
+from engine.server.engine_options import (  # noqa: E402
     add_engine_options,
     engine_argv,
     engine_config_from_args,

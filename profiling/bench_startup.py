@@ -123,7 +123,7 @@ def _run_stages(serve_args: list[str]) -> None:
     llm_engine.build_model = timed_build
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    from engine.server.cli import add_engine_options
+    from engine.server.engine_options import add_engine_options
 
     commands.add_server_commands(sub, add_engine_options)
     args = parser.parse_args(["serve", "--port", "0", *serve_args])

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import NamedTuple
 
 from engine.ports import free_port
 
@@ -69,28 +68,6 @@ class _Child:
             f"{self.name} (pid {self.proc.pid}) exited with code {code} while the cluster was "
             f"starting; the last lines of its stderr:\n{tail}"
         )
-
-
-class ModelMeta(NamedTuple):
-    config: object  # ModelConfig
-    tokenizer: object
-    path: str
-
-
-def load_model_meta(model: str) -> ModelMeta:
-    """The model's config and tokenizer without its weights (the router computes nothing)."""
-    from engine.gguf_loader import load_gguf_checkpoint
-    from engine.hf_loader import load_hf_checkpoint
-    from engine.model_loader import resolve_model_path
-
-    path = resolve_model_path(model)
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
-        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-        if len(ggufs) != 1:
-            raise ValueError(f"{path}: name one .gguf file")
-        path = os.path.join(path, ggufs[0])
-    ckpt = load_hf_checkpoint(path) if os.path.isdir(path) else load_gguf_checkpoint(path)
-    return ModelMeta(ckpt.config, ckpt.tokenizer, path)
 
 
 class Cluster:

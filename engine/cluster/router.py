@@ -36,6 +36,7 @@ from engine.cluster.placement import Placement, RoundRobin, WorkerView
 from engine.cluster.roles import params_to_wire
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics, MetricsSnapshot
+from engine.model_loader import open_checkpoint
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
@@ -154,14 +155,12 @@ _DONE = object()
 
 class Router:
     def __init__(self, cfg: RouterConfig | None = None, placement: Placement | None = None):
-        from engine.cluster.launcher import load_model_meta
-
         self.cfg = cfg = cfg or RouterConfig()
-        meta = load_model_meta(cfg.model)
-        self.tokenizer = meta.tokenizer
-        self.model_config = meta.config
-        self.model_path = meta.path
-        self.max_model_len = cfg.max_model_len or meta.config.max_position_embeddings
+        # The model's config and tokenizer, without its weights (the router computes nothing).
+        self.model_path, checkpoint = open_checkpoint(cfg.model)
+        self.tokenizer = checkpoint.tokenizer
+        self.model_config = checkpoint.config
+        self.max_model_len = cfg.max_model_len or checkpoint.config.max_position_embeddings
         self._model_max_len = self.max_model_len
         if placement is None:
             from engine.cluster.conductor_placement import make_placement

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from engine.request import Request
-    from engine.scheduler import ScheduledRequest
+    from engine.scheduler_output import ScheduledRequest
 
 
 class LoadDone(NamedTuple):

@@ -15,6 +15,8 @@ import argparse
 import logging
 import sys
 
+from engine.server.engine_options import engine_argv, engine_config_from_args, set_options
+
 
 def add_cluster_commands(subparsers, engine_args_fn) -> None:
     w = subparsers.add_parser("worker", help="a prefill or decode worker of a cluster")
@@ -108,7 +110,6 @@ def _logging(level: str) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from engine.cluster.worker import WorkerConfig, run_worker
-    from engine.server.cli import engine_config_from_args
 
     _logging(args.log_level)
     cfg = WorkerConfig(
@@ -185,7 +186,6 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     """What ``engine cluster`` passes on to each ``engine worker`` (beyond role, router, id,
     transport and threads, which the launcher adds): the engine and worker options that were set,
     the staging size and the log level."""
-    from engine.server.cli import engine_argv, set_options
 
     return (
         engine_argv(args)

@@ -7,6 +7,8 @@ import argparse
 import logging
 import sys
 
+from engine.server.engine_options import engine_config_from_args
+
 
 def add_server_commands(subparsers, engine_args_fn) -> None:
     s = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -76,7 +78,6 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _make_engine(args: argparse.Namespace):
     from engine.async_llm import AsyncLLM
-    from engine.server.cli import engine_config_from_args
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

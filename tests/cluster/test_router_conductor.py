@@ -213,8 +213,8 @@ def test_no_live_worker_is_still_a_503_not_a_rejection():
 
 
 def test_cli_flags_reach_the_routers_conductor():
-    from engine.server.cli import add_engine_options
     from engine.server.cluster_commands import _router_config, add_cluster_commands
+    from engine.server.engine_options import add_engine_options
 
     parser = argparse.ArgumentParser()
     add_cluster_commands(parser.add_subparsers(dest="command"), add_engine_options)

@@ -10,13 +10,13 @@ import argparse
 
 import pytest
 
-from engine.server.cli import add_engine_options, engine_config_from_args
 from engine.server.cluster_commands import (
     _router_config,
     _worker_options,
     add_cluster_commands,
     worker_argv,
 )
+from engine.server.engine_options import add_engine_options, engine_config_from_args
 
 BASE = ["cluster", "--prefill", "1", "--decode", "1"]
 # Option values that must be well-formed (the rest are derived from the option's type).
