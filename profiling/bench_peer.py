@@ -15,7 +15,7 @@ output length with ignore_eos; warm-up requests first):
 llama-server runs with the model's GGUF, 16 slots (``-np``), continuous batching and the same
 thread count; transformers runs float32 (its reference dtype) `generate` on padded batches of 16
 (static batching; TTFT = until its batch's first token). Ratios are against llama-server when it
-ran. Building llama-server: see the README ("Comparing with llama.cpp").
+ran. Building llama-server: see docs/cpu.md ("Comparing with llama.cpp").
 """
 
 from __future__ import annotations

@@ -541,7 +541,7 @@ def write_doc(path: Path, pol: dict, rej: dict, col: dict, hit: dict, r: Runner,
     add("## Not reproduced here\n")
     add(
         "- The policies on real processes are measured by `profiling/bench_cluster.py --trace` "
-        "(SmolLM2 workers on this CPU, see the README's Conductor section), not by this "
+        "(SmolLM2 workers on this CPU, see docs/cluster.md), not by this "
         "command.\n"
         "- Chunked pipeline parallelism, and prefill batching on one instance.\n"
     )
