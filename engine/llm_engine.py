@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,6 +19,7 @@ from tqdm import tqdm
 from engine import cpu_isa, envs
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kvcache.block_pool import BlockListener
 from engine.kvcache.connector import KVConnector, step_blocks
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.kvcache.paged_cache import PagedKVCache, bytes_per_block, choose_num_blocks
@@ -38,6 +39,11 @@ from engine.stop_conditions import check_stop, safe_text_len
 logger = logging.getLogger("engine")
 
 HANDED_OVER = "handed_over"  # finish reason of a choice that goes on in another engine
+
+ConnectorFactory = Callable[[PagedKVCache, KVConnector | None], KVConnector]
+"""Builds the connector an engine uses from its paged cache (``cache.kv``, ``cache.block_size``)
+and ``inner``, the KV-pool connector the engine built from ``config.kv_pool`` (None without a
+pool), which the connector it returns wraps or replaces (a cluster worker's KV sender/receiver)."""
 
 
 class FirstToken(NamedTuple):
@@ -70,7 +76,17 @@ def _test_cap(params: SamplingParams) -> SamplingParams:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    """``connector_factory`` and ``block_listener`` are the engine's two seams, given at
+    construction: the KV connector its scheduler and step loop share (see ConnectorFactory; by
+    default the KV pool's connector from ``config.kv_pool``, or none) and the listener the block
+    pool tells ("stored" | "removed", block hash) as prefix blocks are named and dropped."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        connector_factory: ConnectorFactory | None = None,
+        block_listener: BlockListener | None = None,
+    ) -> None:
         config = config or EngineConfig()
         self.config = config
         cap = envs.test_max_tokens()  # a bad value fails here, at start-up
@@ -110,7 +126,9 @@ class LLMEngine:
         self.cache = PagedKVCache(
             self.model_config, num_blocks, cc.block_size, self.dtype, self.device
         )
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, listener=block_listener
+        )
         self.connector: KVConnector | None = None
         if config.kv_pool:
             from engine.kvcache.connector_factory import make_pool_connector
@@ -118,6 +136,8 @@ class LLMEngine:
             self.connector = make_pool_connector(
                 config.kv_pool, self.model_config, model, self.cache, self.device
             )
+        if connector_factory is not None:
+            self.connector = connector_factory(self.cache, self.connector)
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_len}) must be <= the model's max_position_embeddings "

@@ -289,11 +289,11 @@ def bench_overlap(sizes: list[int], threads: int, chunk: int, repeats: int) -> N
         EngineConfig(
             cache=CacheConfig(num_blocks=max_tokens // BS + 64, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
-        )
+        ),
+        connector_factory=lambda cache, inner: KVSender(cache.kv, cache.block_size),
     )
     dtype = str(engine.cache.kv.dtype).removeprefix("torch.")
-    sender = KVSender(engine.cache.kv, engine.kv.block_size)
-    engine.connector = engine.scheduler.connector = sender
+    sender = engine.connector
     token_bytes = sender.token_bytes
     arena_mb = (KVLayout(LAYERS, max_tokens, token_bytes).nbytes >> 20) * 2 + 64
     params = SamplingParams(temperature=0.0, max_tokens=1)

@@ -15,7 +15,8 @@ from engine.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_engine(num_blocks=256, max_tokens=2048, max_seqs=64, block_size=16, prefix=True):
+def make_engine(num_blocks=256, max_tokens=2048, max_seqs=64, block_size=16, prefix=True, **seams):
+    """``seams``: LLMEngine's connector_factory and block_listener."""
     return LLMEngine(
         EngineConfig(
             model="default",
@@ -25,7 +26,8 @@ def make_engine(num_blocks=256, max_tokens=2048, max_seqs=64, block_size=16, pre
                 num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=prefix
             ),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs),
-        )
+        ),
+        **seams,
     )
 
 

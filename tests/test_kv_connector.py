@@ -56,11 +56,6 @@ class MemoryStore:
         pass
 
 
-def attach(engine, connector) -> None:
-    engine.connector = connector
-    engine.scheduler.connector = connector
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Greedy tokens of PROMPT computed in full, with no connector."""
@@ -69,11 +64,11 @@ def reference():
 
 
 def pooled_engine():
-    engine = make_engine()
     store = MemoryStore()
-    conn = PoolConnector(store, engine.cache.kv, engine.kv.block_size)
-    attach(engine, conn)
-    return engine, store, conn
+    engine = make_engine(
+        connector_factory=lambda cache, inner: PoolConnector(store, cache.kv, cache.block_size)
+    )
+    return engine, store, engine.connector
 
 
 def test_prefix_loaded_from_pool_matches_recompute(reference):
@@ -164,9 +159,9 @@ class LayerRecorder(KVConnector):
 
 
 def test_per_layer_save_sees_every_layer_and_full_blocks():
-    engine = make_engine(max_tokens=64)  # 150 prompt tokens: chunks of 64, 64, 22
     rec = LayerRecorder()
-    attach(engine, rec)
+    # 150 prompt tokens: chunks of 64, 64, 22
+    engine = make_engine(max_tokens=64, connector_factory=lambda cache, inner: rec)
     rid = engine.add_request(PROMPT, GREEDY)
     engine.step()
     layers = engine.model_config.num_layers
@@ -177,3 +172,63 @@ def test_per_layer_save_sees_every_layer_and_full_blocks():
     # Full blocks handed over exactly once each, in order: 4 + 4 + 1 from the prompt chunks,
     # then one more after 10 output tokens fill block 10 (150 + 10 = 160).
     assert rec.saved == [(rid, 0, 4), (rid, 4, 4), (rid, 8, 1), (rid, 9, 1)]
+
+
+class CountingConnector(KVConnector):
+    """Loads nothing; counts every call the scheduler and the step loop make, and wraps the
+    engine's pool connector (``inner``) as a cluster worker's connector does."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def lookup(self, req, block_hashes, num_device_tokens):
+        self._count("lookup")
+        return 0
+
+    def start_load(self, req, block_table, start_token, num_tokens):
+        raise AssertionError("nothing to load")
+
+    def finished_loads(self) -> list[LoadDone]:
+        self._count("finished_loads")
+        return []
+
+    def save(self, req, block_table, block_hashes, first_block, num_blocks):
+        self._count("save")
+
+    def request_finished(self, req):
+        self._count("request_finished")
+
+    def stats(self):
+        return {"counting": dict(self.calls)}
+
+
+def test_engine_uses_the_connector_it_was_built_with():
+    """The connector passed in at construction is the one the scheduler (lookup, finished
+    loads, request_finished) and the step loop (save) call, and the one metrics report."""
+    seen = {}
+
+    def factory(cache, inner):
+        seen["cache"], seen["inner"] = cache, inner
+        return CountingConnector(inner)
+
+    heard = []
+    engine = make_engine(
+        connector_factory=factory, block_listener=lambda kind, h: heard.append((kind, h))
+    )
+    conn = engine.connector
+    assert isinstance(conn, CountingConnector)
+    assert engine.scheduler.connector is conn
+    assert seen == {"cache": engine.cache, "inner": None}  # no kv_pool configured
+    out = run_all(engine, [PROMPT])[0]
+    assert out.finished
+    assert conn.calls["lookup"] == 1
+    assert conn.calls["request_finished"] == 1
+    assert conn.calls["save"] >= 1  # the prompt's full blocks
+    assert engine.metrics_snapshot().kv_pool == {"counting": conn.calls}
+    assert all(kind in ("stored", "removed") for kind, _ in heard)
+    assert sum(kind == "stored" for kind, _ in heard) >= 9  # the prompt's 9 full blocks
+    engine.close()

@@ -11,25 +11,25 @@ adapter supplies what the Conductor needs from it:
   Conductor's, which stays pure) and request ids of its own;
 - a lifecycle: with no report of prefill and decode ends, a placed request is taken as done with
   its prefill at the estimated end and with its decode ``decode_time_s`` later, so the
-  Conductor's queues drain as estimated instead of growing without bound. A router that reports
-  the real events should drive ``conductor`` through decision.Placer instead.
+  Conductor's queues drain as estimated instead of growing without bound (a request the router
+  ``bind``s leaves this estimate: its reports drive the Conductor's decision.Placer methods).
 
 A rejection returns None (the router answers it) and leaves the Decision, with its reason, in
 ``last_decision``; ``rejection_error`` turns an SLO refusal into ``RequestRejectedError`` (HTTP
 429 with the reason; no live worker stays the router's 503).
 
-The router also reports what it sees, through optional methods it calls when present (so the
-plain ``RoundRobin`` needs none): ``worker_joined``/``worker_left`` (registrations, deaths and
-goodbyes), ``on_event`` (the workers' published block events, which the router subscribes to),
-``bind`` (the router's id for the request just placed), ``prefill_done`` (the first token came
-back from the prefill worker, with the prefix it really reused) and ``finished`` (completed,
-failed, aborted or abandoned for a retry). A bound request leaves the estimated lifecycle: its
-queues drain on these reports. The prefill's measured time is the router's view (from
-``prefill_started``, or the placement when that is not reported, to the first token: it includes
-the transfer's tail, not the decode reservation or a block copy) and is fed to the
-prefill-time model only when the worker had no other request of ours in prefill, so that queueing
-is not taken for compute. Decode workers report their mean step time, batch and KV tokens in
-every heartbeat (``decode_progress``), which the TBT model is refitted on.
+The router reports what it sees through the rest of ``Placement`` (placement.py, which lists
+every call; ``RoundRobin`` inherits them as no-ops from ``PlacementBase``): ``worker_joined``/
+``worker_left`` (registrations, deaths and goodbyes), ``on_event`` (the workers' published block
+events, which the router subscribes to), ``bind`` (the router's id for the request just placed),
+``prefill_done`` (the first token came back from the prefill worker, with the prefix it really
+reused) and ``finished`` (completed, failed, aborted or abandoned for a retry). A bound request
+leaves the estimated lifecycle: its queues drain on these reports. The prefill's measured time is
+the router's view (from ``prefill_started``, or the placement when that is not reported, to the
+first token: it includes the transfer's tail, not the decode reservation or a block copy) and is
+fed to the prefill-time model only when the worker had no other request of ours in prefill, so
+that queueing is not taken for compute. Decode workers report their mean step time, batch and KV
+tokens in every heartbeat (``decode_progress``), which the TBT model is refitted on.
 
 Block copies: ``planned_copies`` gives the router the copies of the request just placed, as
 (source, target, first block, end block) of its prompt; the router has copies between prefill
@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from engine.cluster.conductor import Conductor, ConductorConfig
 from engine.cluster.cost_model import get_cost_model
 from engine.cluster.decision import REJECT_TBT, REJECT_TTFT, Decision
+from engine.cluster.placement import Placed, PlacementBase
 from engine.cluster.prefix_index import EventError
 from engine.kvcache.prefix_hash import hash_blocks
 from engine.scheduler import QueueFullError
@@ -82,7 +83,7 @@ def make_placement(cfg) -> ConductorPlacement:
     return ConductorPlacement(conductor, block_size=cfg.block_size)
 
 
-class ConductorPlacement:
+class ConductorPlacement(PlacementBase):
     def __init__(
         self,
         conductor: Conductor,
@@ -138,7 +139,7 @@ class ConductorPlacement:
         except EventError:
             return False  # a malformed event is a lost hint, never a stopped router
 
-    # -- what the router reports (all optional) -------------------------------------------------
+    # -- what the router reports (placement.Placement) ------------------------------------------
 
     def worker_joined(self, worker_id: str, role: str, now: float) -> None:
         if worker_id in self._known:  # a restart under the same name: a fresh instance
@@ -229,7 +230,9 @@ class ConductorPlacement:
             f"{est:.3g} s would exceed its SLO of {slo:.3g} s; retry later",
         )
 
-    def place(self, prompt_token_ids: Sequence[int], prefill: Sequence, decode: Sequence):
+    def place(
+        self, prompt_token_ids: Sequence[int], prefill: Sequence, decode: Sequence
+    ) -> Placed | None:
         now = self.clock()
         self._sync(prefill, decode, now)
         self._expire(now)
@@ -240,4 +243,4 @@ class ConductorPlacement:
         if not d.accepted:
             return None
         heapq.heappush(self._due, (now + d.est_ttft_s, next(self._seq), "prefill", rid))
-        return (d.prefill, d.decode)
+        return Placed(d.prefill, d.decode)

@@ -1,16 +1,20 @@
 """The Conductor's decisions and the full interface through which it is driven.
 
-The router owns the sockets and the clock; the placer owns the decisions. The router tells the
-placer what happens (instances up and down, published block events, a prefill done with its
-measured time, decode steps, a request finished) and asks it, once per request, where to run it.
+Its driver owns the clock (and, in a cluster, the sockets); the placer owns the decisions. The
+driver tells the placer what happens (instances up and down, published block events, a prefill
+done with its measured time, decode steps, a request finished) and asks it, once per request,
+where to run it.
 Every method takes ``now`` from the caller (seconds on any monotonic clock): the placer never
 reads a clock itself, so the simulator drives the same code on simulated time.
 
-The cluster's router today speaks the narrower ``engine.cluster.placement.Placement`` (one
-``place`` call, no lifecycle); ``conductor_placement.ConductorPlacement`` adapts the Conductor to
-it until the router reports the lifecycle through this ``Placer``.
+``Placer`` is the Conductor's own interface (``conductor.Conductor`` implements it), driven by
+the simulator (profiling/sim_cluster.py) on simulated time and, in a cluster, by
+``conductor_placement.ConductorPlacement``. The router never sees it: the router knows only
+``engine.cluster.placement.Placement``, the one protocol that lists every call it makes, which
+ConductorPlacement implements by translating (worker ids, its clock, prompt block hashes) into
+these calls.
 
-A placer is not thread-safe: the router calls it from its one event loop.
+A placer is not thread-safe: its driver calls it from one thread (the router's IO thread).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Where a request runs: one prefill worker and one decode worker, picked among the live ones.
 
-The router asks a ``Placement``; the Conductor (KVCache-centric: prefix match, queueing, transfer
-cost, the decode SLO), adapted by conductor_placement.ConductorPlacement, is the router's default
-(RouterConfig.policy/rejection); ``RoundRobin`` stays for a router handed it explicitly.
+The router asks a ``Placement``, the one protocol that lists every call the router makes to its
+placement (``PlacementBase`` gives the reports as no-ops). The Conductor (KVCache-centric: prefix
+match, queueing, transfer cost, the decode SLO), adapted by conductor_placement.ConductorPlacement,
+is the router's default (RouterConfig.policy/rejection); ``RoundRobin`` stays for a router handed
+it explicitly.
 """
 
 from __future__ import annotations
@@ -28,17 +30,124 @@ class Placed(NamedTuple):
 
 
 class Placement(Protocol):
+    """The router's whole contract with its placement: every call the router makes to it.
+
+    ``place`` decides; the rest are what the router reports as it happens (and two questions about
+    the decision just made), each called directly, always. A policy that needs no reports
+    inherits ``PlacementBase``'s no-ops. The router calls them all from its one IO thread; ``now``
+    is the router's monotonic clock. (``decision.Placer`` is the Conductor's own interface, which
+    ``conductor_placement.ConductorPlacement`` drives; the router knows only this one.)
+    """
+
     def place(
         self,
         prompt_token_ids: Sequence[int],
         prefill: Sequence[WorkerView],
         decode: Sequence[WorkerView],
     ) -> Placed | None:
-        """The workers for a request, or None to reject it (no candidate)."""
+        """The workers for a request (prefill, decode), or None to reject it."""
+        ...
+
+    def rejection_error(self) -> Exception | None:
+        """After ``place`` returned None: the error to answer (an SLO's 429), or None for the
+        router's own "no live prefill and decode workers" (503)."""
+        ...
+
+    def planned_copies(self) -> Sequence[tuple[str, str, int, int]]:
+        """After ``place`` accepted: block copies to do before the prefill, as (source worker,
+        target worker, first block, end block) of the prompt's blocks."""
+        ...
+
+    def bind(self, router_id: str) -> None:
+        """``router_id`` (the router's id for this attempt) names the request placed last."""
+        ...
+
+    def prefill_started(self, router_id: str, now: float) -> None:
+        """The prefill request left for its worker (after the reservation and any copy)."""
+        ...
+
+    def copy_done(self, router_id: str, blocks: int) -> None:
+        """A planned block copy for ``router_id`` ended, ``blocks`` blocks copied."""
+        ...
+
+    def prefill_done(self, router_id: str, now: float, cached_tokens: int | None = None) -> None:
+        """The first token came back from the prefill worker (``cached_tokens``: the prefix it
+        really reused)."""
+        ...
+
+    def finished(self, router_id: str, now: float, output_tokens: int | None = None) -> None:
+        """Completed, failed, aborted, or abandoned for a retry."""
+        ...
+
+    def worker_joined(self, worker_id: str, role: str, now: float) -> None:
+        """A worker registered (``role`` prefill or decode), or a pool was added (``pool``)."""
+        ...
+
+    def worker_left(self, worker_id: str, now: float) -> None:
+        """A worker died or said goodbye."""
+        ...
+
+    def on_event(self, worker_id: str, event: dict) -> bool:
+        """A published ``stored``/``removed`` block event of that worker or pool; False when it
+        was not taken (malformed, unknown source)."""
+        ...
+
+    def decode_progress(
+        self, worker_id: str, now: float, batch: float, tokens: float, step_s: float
+    ) -> None:
+        """A decode worker's mean step over its last heartbeat interval."""
         ...
 
 
-class RoundRobin:
+class PlacementBase:
+    """``Placement``'s reports as no-ops and its questions answered "nothing": a policy that only
+    places subclasses this and defines ``place``."""
+
+    def place(
+        self,
+        prompt_token_ids: Sequence[int],
+        prefill: Sequence[WorkerView],
+        decode: Sequence[WorkerView],
+    ) -> Placed | None:
+        raise NotImplementedError
+
+    def rejection_error(self) -> Exception | None:
+        return None
+
+    def planned_copies(self) -> Sequence[tuple[str, str, int, int]]:
+        return ()
+
+    def bind(self, router_id: str) -> None:
+        pass
+
+    def prefill_started(self, router_id: str, now: float) -> None:
+        pass
+
+    def copy_done(self, router_id: str, blocks: int) -> None:
+        pass
+
+    def prefill_done(self, router_id: str, now: float, cached_tokens: int | None = None) -> None:
+        pass
+
+    def finished(self, router_id: str, now: float, output_tokens: int | None = None) -> None:
+        pass
+
+    def worker_joined(self, worker_id: str, role: str, now: float) -> None:
+        pass
+
+    def worker_left(self, worker_id: str, now: float) -> None:
+        pass
+
+    def on_event(self, worker_id: str, event: dict) -> bool:
+        return False
+
+    def decode_progress(
+        self, worker_id: str, now: float, batch: float, tokens: float, step_s: float
+    ) -> None:
+        pass
+
+
+class RoundRobin(PlacementBase):
     """Each role's live workers in turn (sorted by id, so the order is stable across joins)."""
 
     def __init__(self) -> None:

@@ -3,9 +3,10 @@ on it unchanged.
 
 It keeps the workers' registrations and heartbeats (a worker silent for ``heartbeat_timeout_s``
 is dead: nothing more is placed there), places each request on a prefill and a decode worker
-(``placement.py``), and drives it: ``DecodeRequest`` (the decode worker reserves staging) ->
-``PrefillRequest`` (the prefill worker streams KV there and reports the first token, which the
-client sees at once) -> the decode worker's tokens. Aborts go to both sides.
+(``placement.Placement``, which lists every call the router makes to its placement), and drives
+it: ``DecodeRequest`` (the decode worker reserves staging) -> ``PrefillRequest`` (the prefill
+worker streams KV there and reports the first token, which the client sees at once) -> the decode
+worker's tokens. Aborts go to both sides.
 
 Faults: a request whose worker dies, or that a worker refuses (overloaded, draining), is placed
 again while the client has seen nothing of it (up to ``max_retries``); after its first token it
@@ -368,12 +369,6 @@ class Router:
 
     # -- callers -> IO thread ---------------------------------------------------------------
 
-    def _tell(self, what: str, *args) -> None:
-        """Report to the placement what happened, if it listens (conductor_placement.py)."""
-        fn = getattr(self.placement, what, None)
-        if fn is not None:
-            fn(*args)
-
     def add_pool(self, source: str, events_address: str) -> None:
         """A pool service whose block events (``source`` names it in them) the placement hears:
         a holder prefill workers load prefixes from (conductor_placement.py)."""
@@ -472,7 +467,7 @@ class Router:
         elif cmd[0] == "add_pool":
             self.block_index[cmd[1]] = set()
             self._events.connect(cmd[2])
-            self._tell("worker_joined", cmd[1], "pool", time.monotonic())
+            self.placement.worker_joined(cmd[1], "pool", time.monotonic())
         elif cmd[0] == "set_placement":
             self.placement = cmd[1]
         elif cmd[0] == "abort_all":
@@ -500,7 +495,7 @@ class Router:
     def _place(self, req: _Request) -> None:
         placed = self.placement.place(req.ids, self._live("prefill"), self._live("decode"))
         if placed is None:
-            exc = getattr(self.placement, "rejection_error", lambda: None)()  # an SLO's: 429
+            exc = self.placement.rejection_error()  # an SLO's: 429
             self._fail(req, exc or ClusterUnavailableError("no live prefill and decode workers"))
             return
         req.prefill, req.decode = placed
@@ -511,7 +506,7 @@ class Router:
         self._wire.pop(req.wire_id, None)
         req.wire_id = f"{req.request_id}/{req.attempts}"
         self._wire[req.wire_id] = req
-        self._tell("bind", req.wire_id)
+        self.placement.bind(req.wire_id)
         req.ready = None
         req.copy_wait = self._start_copies(req)
         p = self.workers[req.prefill]
@@ -530,9 +525,8 @@ class Router:
         """Ask the source of each block copy the placement planned between prefill workers to
         send it (block_copy.py); True if one was sent. Copies from a pool need nothing: the
         prefill worker's pool lookup performs them."""
-        planned = getattr(self.placement, "planned_copies", None)
         sent = False
-        for src_id, dst_id, start, end in planned() if planned is not None else ():
+        for src_id, dst_id, start, end in self.placement.planned_copies():
             src, dst = self.workers.get(src_id), self.workers.get(dst_id)
             if src is None or dst is None or dst_id != req.prefill or not dst.copy_address:
                 continue
@@ -548,7 +542,7 @@ class Router:
         if req.streamed or req.attempts >= self.cfg.max_retries:
             self._fail(req, ClusterUnavailableError(f"request {req.request_id}: {why}"))
             return
-        self._tell("finished", req.wire_id, time.monotonic())  # this attempt is abandoned
+        self.placement.finished(req.wire_id, time.monotonic())  # this attempt is abandoned
         req.attempts += 1
         log.warning("request %s: %s; placing it again", req.request_id, why)
         self._place(req)
@@ -561,7 +555,7 @@ class Router:
         req.prefill = req.decode = ""
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
-        self._tell("finished", req.wire_id, time.monotonic())
+        self.placement.finished(req.wire_id, time.monotonic())
         self._requests.pop(req.request_id, None)
         self._wire.pop(req.wire_id, None)
         with self.stats.lock:
@@ -596,10 +590,9 @@ class Router:
                 if msg.state == "draining":
                     w.state = "draining"
                 if msg.steps > 0 and w.role == "decode":  # the Conductor's TBT model learns
-                    self._tell(
-                        "decode_progress", w.worker_id, now, msg.step_batch, msg.step_tokens,
-                        msg.step_s,
-                    )  # fmt: skip
+                    self.placement.decode_progress(
+                        w.worker_id, now, msg.step_batch, msg.step_tokens, msg.step_s
+                    )
             return
         if isinstance(msg, m.Goodbye):
             w = self.workers.get(msg.worker_id)
@@ -629,7 +622,7 @@ class Router:
             if wid != req.prefill or not req.copy_wait:
                 return
             req.copy_wait = False
-            self._tell("copy_done", req.wire_id, msg.blocks)
+            self.placement.copy_done(req.wire_id, msg.blocks)
             if req.phase == "copying":
                 self._start_prefill(req, *req.ready)
         elif isinstance(msg, m.Outputs):
@@ -638,7 +631,7 @@ class Router:
             if wid == req.prefill and req.phase == "prefill":
                 req.phase = "decode"
                 req.metrics.num_cached_tokens = msg.num_cached_tokens
-                self._tell("prefill_done", req.wire_id, now, msg.num_cached_tokens)
+                self.placement.prefill_done(req.wire_id, now, msg.num_cached_tokens)
             if wid == req.prefill:
                 # The decode worker learns the first tokens the client gets, in case the KV
                 # transfer fails before its KVDone: it then recomputes from these.
@@ -696,7 +689,7 @@ class Router:
             last_seen=now,
         )
         self.block_index[msg.worker_id] = set()
-        self._tell("worker_joined", msg.worker_id, msg.role, now)
+        self.placement.worker_joined(msg.worker_id, msg.role, now)
         if msg.events_address:
             try:
                 self._events.connect(msg.events_address)
@@ -720,7 +713,7 @@ class Router:
             transport = "tcp"
         req.phase = "prefill"
         req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
-        self._tell("prefill_started", req.wire_id, time.monotonic())
+        self.placement.prefill_started(req.wire_id, time.monotonic())
         msg = m.PrefillRequest(
             req.wire_id,
             req.ids,
@@ -802,7 +795,7 @@ class Router:
                     r = c.finish_reason
                     self.stats.finished[r] = self.stats.finished.get(r, 0) + 1
         if finished:
-            self._tell("finished", req.wire_id, now, sum(len(c.tokens) for c in req.choices))
+            self.placement.finished(req.wire_id, now, sum(len(c.tokens) for c in req.choices))
             self._requests.pop(req.request_id, None)
             self._wire.pop(req.wire_id, None)
         self._deliver(req, RequestOutput(req.request_id, req.prompt, req.ids, outs, finished, m_))
@@ -828,7 +821,7 @@ class Router:
             elif kind == "removed":
                 index.difference_update(k for k in keys if isinstance(k, bytes))
             if isinstance(ev, dict):
-                self._tell("on_event", source, ev)
+                self.placement.on_event(source, ev)
 
     def prefix_blocks(self, worker_id: str, block_hashes: list[bytes]) -> int:
         """How many leading blocks of a chain the worker holds, by its events (a hint)."""
@@ -849,7 +842,7 @@ class Router:
     def _on_death(self, w: _Worker, state: str) -> None:
         w.state = state
         self._refresh_max_model_len()
-        self._tell("worker_left", w.worker_id, time.monotonic())
+        self.placement.worker_left(w.worker_id, time.monotonic())
         self.block_index.pop(w.worker_id, None)
         if w.events_address:
             try:

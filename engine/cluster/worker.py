@@ -83,7 +83,6 @@ class Worker:
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.worker_id = cfg.worker_id or f"{cfg.role}-{uuid.uuid4().hex[:6]}"
-        self.engine = LLMEngine(cfg.engine)
         self.ctx = zmq.Context.instance()
         self._wake_addr = f"inproc://wake-{uuid.uuid4().hex}"
         self._wake_pull = self.ctx.socket(zmq.PULL)
@@ -99,58 +98,67 @@ class Worker:
         curve.secure_server(self._pub, f"tcp://{cfg.kv_host}:0")
         self._pub.bind(f"tcp://{cfg.kv_host}:0")
         self.events_address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.namespace = _namespace_hex(self.engine)
-        self.engine.kv.pool.listener = lambda kind, key: self._block_events.append((kind, key))
         self.arena = None
         self.mooncake = None
-        if cfg.transport == "mooncake":
-            from engine.cluster.transfer_mooncake import MooncakeEndpoint
-
-            self.mooncake = MooncakeEndpoint(cfg.kv_host, cfg.mooncake_metadata)
         self.arena_addr = 0
         self.copier = None  # prefill: block copies to and from other prefill workers
         self.step_stats = StepStats()  # decode: step times for the router's Conductor
-        kv, bs = self.engine.cache.kv, self.engine.kv.block_size
+        # The engine's seams: its connector (the sender or receiver, wrapping the KV pool's
+        # connector the engine builds) and the block pool's listener (block events published).
+        self.engine = LLMEngine(
+            cfg.engine,
+            connector_factory=self._make_connector,
+            block_listener=lambda kind, key: self._block_events.append((kind, key)),
+        )
+        self.namespace = _namespace_hex(self.engine)
         if cfg.role == "prefill":
-            from engine.cluster.kv_sender import KVSender
+            from engine.cluster.block_copy import BlockCopier
             from engine.cluster.roles import PrefillRole
 
-            self.sender = KVSender(kv, bs, inner=self.engine.connector, mooncake=self.mooncake)
-            self._attach(self.sender)
             self.role = PrefillRole(self.engine, self.sender, self.worker_id, self._emit)
-            from engine.cluster.block_copy import BlockCopier
-
             self.copier = BlockCopier(
                 self.engine, self.worker_id, self._emit, self.ctx, cfg.kv_host
             )
             self.kv_address, self.shm_path = "", ""
         else:
-            from engine.cluster.kv_receiver import KVReceiver
             from engine.cluster.roles import DecodeRole
-            from engine.cluster.transfer import StagingArena
 
-            self.arena = StagingArena(cfg.staging_mb << 20, shared=cfg.transport == "shm")
-            self.receiver = KVReceiver(
-                kv,
-                bs,
-                self.arena,
-                bind=f"tcp://{cfg.kv_host}:0",
-                wake=self._wake,
-                remote_writes=cfg.transport in ("shm", "mooncake"),
-                local_writers=cfg.transport == "shm",  # Mooncake: a peer's NIC writes
-                inner=self.engine.connector,  # its KV pool: saves what it generates
-            )
             if self.mooncake is not None:
                 self.arena_addr = self.mooncake.register(self.arena.buf)
-            self._attach(self.receiver)
             self.role = DecodeRole(
                 self.engine, self.receiver, self.worker_id, self._emit, cfg.kv_load_failure
             )
             self.kv_address, self.shm_path = self.receiver.address, self.arena.path
 
-    def _attach(self, connector) -> None:
-        self.engine.connector = connector
-        self.engine.scheduler.connector = connector
+    def _make_connector(self, cache, inner):
+        """The engine's connector factory: this role's KV sender or receiver over the engine's
+        paged cache, wrapping ``inner`` (its KV pool's connector, or None). Called once the
+        engine has built its model and cache, so a failed build leaves no arena behind."""
+        cfg = self.cfg
+        if cfg.transport == "mooncake":
+            from engine.cluster.transfer_mooncake import MooncakeEndpoint
+
+            self.mooncake = MooncakeEndpoint(cfg.kv_host, cfg.mooncake_metadata)
+        if cfg.role == "prefill":
+            from engine.cluster.kv_sender import KVSender
+
+            self.sender = KVSender(cache.kv, cache.block_size, inner=inner, mooncake=self.mooncake)
+            return self.sender
+        from engine.cluster.kv_receiver import KVReceiver
+        from engine.cluster.transfer import StagingArena
+
+        self.arena = StagingArena(cfg.staging_mb << 20, shared=cfg.transport == "shm")
+        self.receiver = KVReceiver(
+            cache.kv,
+            cache.block_size,
+            self.arena,
+            bind=f"tcp://{cfg.kv_host}:0",
+            wake=self._wake,
+            remote_writes=cfg.transport in ("shm", "mooncake"),
+            local_writers=cfg.transport == "shm",  # Mooncake: a peer's NIC writes
+            inner=inner,  # its KV pool: saves what it generates
+        )
+        return self.receiver
 
     # -- messaging --------------------------------------------------------------------------
 

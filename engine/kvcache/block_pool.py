@@ -8,7 +8,7 @@ Cached and free blocks sit together in one LRU queue; allocation takes the least
 block first and drops its hash, so a cached prefix survives until it is the oldest unused block.
 ``check_integrity`` asserts free + cached + used == total and that the index is consistent.
 
-``listener``, when set, hears ("stored", hash) when a block is named and ("removed", hash) when a
+``listener``, when given, hears ("stored", hash) when a block is named and ("removed", hash) when a
 name is dropped (evicted or reset), so that an engine can publish which prefixes it holds.
 """
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
+
+BlockListener = Callable[[str, bytes], None]  # ("stored" | "removed", block hash)
 
 
 class BlockCounts(NamedTuple):
@@ -27,7 +29,7 @@ class BlockCounts(NamedTuple):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, listener: BlockListener | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -37,7 +39,7 @@ class BlockPool:
         # LRU queue of blocks with ref_cnt == 0: first = evicted first.
         self._lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._index: dict[bytes, int] = {}
-        self.listener: Callable[[str, bytes], None] | None = None
+        self.listener = listener
 
     @property
     def num_free(self) -> int:

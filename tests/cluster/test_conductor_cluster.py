@@ -13,6 +13,7 @@ import pytest
 
 from engine.cluster.conductor_placement import RequestRejectedError
 from engine.cluster.launcher import Cluster
+from engine.cluster.placement import PlacementBase
 from engine.cluster.router import RouterConfig
 from engine.kvcache.prefix_hash import hash_blocks
 from engine.sampling_params import SamplingParams
@@ -68,7 +69,7 @@ def test_pool_service_events_reach_the_conductor():
             time.sleep(0.2)
 
 
-class Scripted:
+class Scripted(PlacementBase):
     """Places request i on ``plan[i]`` = (prefill worker, copies as (src, dst, start, end))."""
 
     def __init__(self, plan) -> None:

@@ -38,19 +38,9 @@ class Pair:
         policy: str = "recompute",
         decode_pool: str | None = None,
     ):
-        self.p_engine = make_engine(max_tokens=prefill_tokens)
-        self.d_engine = make_engine() if decode_pool is None else pool_engine(decode_pool)
         self.arena = StagingArena(64 << 20, shared=transport == "shm")
         self.transport = transport
         self.router: list[m.Message] = []
-        cache = self.d_engine.cache
-        self.receiver = KVReceiver(
-            cache.kv,
-            self.d_engine.kv.block_size,
-            self.arena,
-            remote_writes=transport != "tcp",
-            inner=self.d_engine.connector,  # its KV pool, as the decode worker passes it
-        )
         self.peer, self.base, mc = "", 0, None
         if transport == "mooncake":
             from engine.cluster.transfer_mooncake import MooncakeEndpoint
@@ -58,10 +48,27 @@ class Pair:
             d_mc, mc = MooncakeEndpoint(), MooncakeEndpoint()
             self.peer, self.base = d_mc.address, d_mc.register(self.arena.buf)
             self._keep = d_mc
-        self.sender = KVSender(self.p_engine.cache.kv, self.p_engine.kv.block_size, mooncake=mc)
-        for e, c in ((self.p_engine, self.sender), (self.d_engine, self.receiver)):
-            e.connector = c
-            e.scheduler.connector = c
+
+        def sender(cache, inner):
+            return KVSender(cache.kv, cache.block_size, mooncake=mc)
+
+        def receiver(cache, inner):
+            return KVReceiver(
+                cache.kv,
+                cache.block_size,
+                self.arena,
+                remote_writes=transport != "tcp",
+                inner=inner,  # its KV pool, as the decode worker passes it
+            )
+
+        # Each engine built with its connector, as a worker builds it.
+        self.p_engine = make_engine(max_tokens=prefill_tokens, connector_factory=sender)
+        self.d_engine = (
+            make_engine(connector_factory=receiver)
+            if decode_pool is None
+            else pool_engine(decode_pool, receiver)
+        )
+        self.sender, self.receiver = self.p_engine.connector, self.d_engine.connector
         self.prefill = PrefillRole(self.p_engine, self.sender, "p0", self.router.append)
         self.decode = DecodeRole(self.d_engine, self.receiver, "d0", self.router.append, policy)
 
@@ -107,12 +114,13 @@ class Pair:
         self.arena.close()
 
 
-def pool_engine(spec: str):
+def pool_engine(spec: str, connector_factory=None):
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
 
     cache = CacheConfig(num_blocks=256, block_size=16)
-    return LLMEngine(EngineConfig(dtype="float32", device="cpu", cache=cache, kv_pool=spec))
+    config = EngineConfig(dtype="float32", device="cpu", cache=cache, kv_pool=spec)
+    return LLMEngine(config, connector_factory=connector_factory)
 
 
 def assemble(msgs, rid, n):

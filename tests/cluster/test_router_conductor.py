@@ -29,6 +29,7 @@ from server.serverutil import RPCThread, http_server
 from engine.cluster import messages as m
 from engine.cluster.conductor_placement import ConductorPlacement, RequestRejectedError
 from engine.cluster.decision import REJECT_TTFT
+from engine.cluster.placement import PlacementBase
 from engine.cluster.router import Router, RouterConfig
 from engine.kvcache.prefix_hash import hash_blocks
 from engine.sampling_params import SamplingParams
@@ -263,7 +264,7 @@ def test_kvcentric_plans_a_copy_from_a_pool_whose_events_hold_the_prefix(make):
     assert [(c.src, c.dst, c.keys) for c in d.copies] == [("pool@test", d.prefill, tuple(chain))]
 
 
-class CopyingPlacement:
+class CopyingPlacement(PlacementBase):
     """Every request to p1 with its first ``blocks`` blocks copied from p0 (the decision the
     Conductor makes when p0 holds the prefix and is busy)."""
 

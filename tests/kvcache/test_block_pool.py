@@ -56,9 +56,8 @@ def test_hash_chain_depends_on_prefix_and_salt():
 
 
 def test_listener_hears_names_and_evictions():
-    pool = BlockPool(2)
     heard = []
-    pool.listener = lambda kind, h: heard.append((kind, h))
+    pool = BlockPool(2, listener=lambda kind, h: heard.append((kind, h)))
     a, b = pool.allocate(2)
     pool.cache(a, b"h-a", [1, 2])
     pool.cache(b, b"h-a", [1, 2])  # the name is taken: nothing new to report
