@@ -21,11 +21,11 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.metrics import MetricsSnapshot
+from engine.core.llm_engine import LLMEngine
+from engine.core.metrics import MetricsSnapshot
+from engine.core.scheduler import QueueFullError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import QueueFullError
 
 
 class EngineDeadError(RuntimeError):

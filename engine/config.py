@@ -208,7 +208,7 @@ class EngineConfig:
     # plain weights serve whatever this says.
     pack_weights: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    # Keep a GGUF model's dequantized weights in a file (engine/weight_cache.py) and map it on
+    # Keep a GGUF model's dequantized weights in a file (engine/model/weight_cache.py) and map it on
     # later starts; ENGINE_WEIGHT_CACHE=0 turns it off too.
     weight_cache: bool = True
     seed: int = 0
@@ -216,12 +216,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = False
     # Tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or "dram=1GiB,tcp://HOST:PORT"
-    # (engine/kvcache/pool_spec.py); None: KV lives only in the paged cache.
+    # (engine/kvstore/spec.py); None: KV lives only in the paged cache.
     kv_pool: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_pool is not None:
-            from engine.kvcache.pool_spec import parse_pool_spec
+            from engine.kvstore.spec import parse_pool_spec
 
             parse_pool_spec(self.kv_pool)  # ValueError naming the bad part
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

@@ -81,7 +81,7 @@ def cache_root() -> str:
 
 
 def weight_cache_dir() -> str | None:
-    """Where dequantized weights are cached (engine/weight_cache.py): ENGINE_WEIGHT_CACHE_DIR,
+    """Where dequantized weights are cached (engine/model/weight_cache.py): ENGINE_WEIGHT_CACHE_DIR,
     else ENGINE_CACHE_DIR/weights, else ~/.cache/engine/weights. None when ENGINE_WEIGHT_CACHE
     is 0, false, off or no."""
     if os.environ.get("ENGINE_WEIGHT_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):

@@ -39,8 +39,8 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.client import AsyncRPCClient  # noqa: E402
-from engine.ports import free_port
+from engine.ipc.ports import free_port
+from engine.server.rpc_client import AsyncRPCClient  # noqa: E402
 
 ATTACKS = ("slowloris", "large-prompt", "flood", "rpc-never-reads")
 PROBE_ADDRESS = "127.0.0.2"
@@ -74,7 +74,7 @@ def launch(kind: str, engine_args: list[str]) -> tuple[subprocess.Popen, str]:
                 if httpx.get(target + "/health", timeout=1).status_code == 200:
                     return proc, target
             else:
-                from engine.client import RPCClient
+                from engine.server.rpc_client import RPCClient
 
                 with RPCClient(target, timeout=1) as c:
                     c.health()

@@ -39,9 +39,9 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from engine.cluster import messages as m  # noqa: E402
-from engine.cluster.kv_receiver import KVReceiver  # noqa: E402
-from engine.cluster.kv_sender import KVSender, SendTarget  # noqa: E402
-from engine.cluster.transfer import KVLayout, StagingArena  # noqa: E402
+from engine.kv_connector.receiver import KVReceiver  # noqa: E402
+from engine.kv_connector.sender import KVSender, SendTarget  # noqa: E402
+from engine.kv_connector.staging import KVLayout, StagingArena  # noqa: E402
 from profiling import bench_trace  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 30, 3, 64, 16  # SmolLM2-135M's KV shape
@@ -57,7 +57,7 @@ def _receiver_main(conn, transport: str, arena_mb: int, num_blocks: int, dtype: 
     rx = KVReceiver(kv, BS, arena, remote_writes=transport != "tcp")
     peer, base = "", 0
     if transport == "mooncake":
-        from engine.cluster.transfer_mooncake import MooncakeEndpoint
+        from engine.kv_connector.mooncake_transfer import MooncakeEndpoint
 
         mc = MooncakeEndpoint()
         peer, base = mc.address, mc.register(arena.buf)
@@ -168,7 +168,7 @@ class OurTransfer:
     def __init__(self, transport: str, tokens: int, cache: torch.Tensor, table: list[int]):
         self.mc = None
         if transport == "mooncake":
-            from engine.cluster.transfer_mooncake import MooncakeEndpoint
+            from engine.kv_connector.mooncake_transfer import MooncakeEndpoint
 
             self.mc = MooncakeEndpoint()  # ValueError when the package is not there
         self.transport, self.tokens, self.table = transport, tokens, table
@@ -280,7 +280,7 @@ def _timed(fn) -> float:
 
 def bench_overlap(sizes: list[int], threads: int, chunk: int, repeats: int) -> None:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.ports import free_port
+from engine.ipc.ports import free_port
 from profiling.bench_offline import ceilings  # noqa: E402
 from profiling.bench_serve import load_tokenizer  # noqa: E402
 from profiling.workload import WORDS  # noqa: E402
@@ -261,7 +261,7 @@ def hf_load_run(model, prompts, out_len: int, pad_id: int, batch: int) -> dict:
 
 
 def gguf_file(model: str) -> str:
-    from engine.model_loader import resolve_model_path
+    from engine.model.loader import resolve_model_path
 
     path = resolve_model_path(model)
     if os.path.isdir(path):

@@ -42,14 +42,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.kvcache import block_record  # noqa: E402
-from engine.kvcache.block_store import BlockStore  # noqa: E402
-from engine.kvcache.dram_tier import DramTier  # noqa: E402
-from engine.kvcache.eviction import POLICIES, make_policy  # noqa: E402
-from engine.kvcache.namespace import KVNamespace  # noqa: E402
-from engine.kvcache.ssd_tier import SsdTier  # noqa: E402
-from engine.kvcache.tier import Tier  # noqa: E402
-from engine.ports import free_port  # noqa: E402
+from engine.ipc.ports import free_port  # noqa: E402
+from engine.kvstore import block_record  # noqa: E402
+from engine.kvstore.block_store import BlockStore  # noqa: E402
+from engine.kvstore.dram_tier import DramTier  # noqa: E402
+from engine.kvstore.eviction import POLICIES, make_policy  # noqa: E402
+from engine.kvstore.namespace import KVNamespace  # noqa: E402
+from engine.kvstore.ssd_tier import SsdTier  # noqa: E402
+from engine.kvstore.tier import Tier  # noqa: E402
 from profiling.sim_trace import DEFAULT_TRACE  # noqa: E402
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -536,7 +536,7 @@ def batch_rates(tier, label: str, keys, src, dst, repeats: int) -> tuple[float, 
 def service_rows(ns, keys, src, dst, repeats, mem, zmq_put, zmq_get) -> list[Row]:
     """`engine pool serve` in its own process; PoolClientTier through the shared-memory arena
     (against memcpy) and over TCP (against raw ZeroMQ TCP)."""
-    from engine.kvcache.pool_client import PoolClientTier
+    from engine.kvstore.service_tier import PoolClientTier
 
     port = free_port()
     dram = f"{(src.nbytes >> 20) + 64}MiB"
@@ -544,7 +544,7 @@ def service_rows(ns, keys, src, dst, repeats, mem, zmq_put, zmq_get) -> list[Row
         [
             sys.executable,
             "-m",
-            "engine.server.cli",
+            "engine.cli.main",
             "pool",
             "serve",
             "--dram",
@@ -587,8 +587,8 @@ def mooncake_rows(ns, keys, src, dst, repeats, zmq_put, zmq_get) -> list[Row]:
     import shutil
     import subprocess
 
-    from engine.kvcache.mooncake_tier import MooncakeTier
-    from engine.kvcache.pool_spec import parse_pool_spec
+    from engine.kvstore.mooncake_tier import MooncakeTier
+    from engine.kvstore.spec import parse_pool_spec
 
     master_bin = shutil.which("mooncake_master") or os.path.join(
         os.path.dirname(sys.executable), "mooncake_master"
@@ -616,7 +616,7 @@ def mooncake_rows(ns, keys, src, dst, repeats, zmq_put, zmq_get) -> list[Row]:
             [
                 sys.executable,
                 "-m",
-                "engine.server.cli",
+                "engine.cli.main",
                 "pool",
                 "serve",
                 "--dram",

@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from profiling.workload import WORDS  # noqa: E402
 

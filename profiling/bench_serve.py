@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.server.engine_options import (  # noqa: E402
+from engine.cli.engine_options import (  # noqa: E402
     add_engine_options,
     engine_argv,
     engine_config_from_args,
@@ -368,9 +368,9 @@ def launch_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def load_tokenizer(model: str):
-    from engine.gguf_loader import load_gguf_checkpoint
-    from engine.hf_loader import load_hf_checkpoint
-    from engine.model_loader import resolve_model_path
+    from engine.model.gguf_loader import load_gguf_checkpoint
+    from engine.model.hf_loader import load_hf_checkpoint
+    from engine.model.loader import resolve_model_path
 
     path = resolve_model_path(model)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):

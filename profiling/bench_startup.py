@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from engine.ports import free_port
+from engine.ipc.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,13 +93,13 @@ def _run_stages(serve_args: list[str]) -> None:
     import torch  # noqa: F401
 
     t = mark("import torch", t)
-    import engine.server.commands as commands
-    from engine.server.cli import main  # noqa: F401  (what `python -m engine` imports)
+    import engine.cli.serve as commands
+    from engine.cli.main import main  # noqa: F401  (what `python -m engine` imports)
     from engine.server.http_server import bind_socket, build_app, uvicorn_config
 
     t = mark("other imports", t)
-    import engine.llm_engine as llm_engine
-    import engine.model_builder as model_builder
+    import engine.core.llm_engine as llm_engine
+    import engine.model.builder as model_builder
 
     timers = {"checkpoint": 0.0, "weights": 0.0}
     original_open = model_builder.open_checkpoint
@@ -123,7 +123,7 @@ def _run_stages(serve_args: list[str]) -> None:
     llm_engine.build_model = timed_build
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    from engine.server.engine_options import add_engine_options
+    from engine.cli.engine_options import add_engine_options
 
     commands.add_server_commands(sub, add_engine_options)
     args = parser.parse_args(["serve", "--port", "0", *serve_args])

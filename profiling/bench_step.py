@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import kernels  # noqa: E402
 from engine.config import CacheConfig, EngineConfig  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.layers.attention_metadata import AttentionMetadata  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def decode_inputs(batch: int, context: int, block_size: int, num_blocks: int, vocab: int):

@@ -105,8 +105,8 @@ class Result(NamedTuple):
 
 
 async def _one(router, r: ScaledRequest, rid: str, t_send: float) -> Result:
+    from engine.core.scheduler import QueueFullError
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import QueueFullError
 
     params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
     first, last, gaps, cached = None, None, [], 0
@@ -268,9 +268,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Summary]:
-    from engine.cluster.conductor_placement import make_placement
+    from engine.cluster.conductor.adapter import make_placement
     from engine.cluster.launcher import Cluster
-    from engine.cluster.router import RouterConfig
+    from engine.cluster.router.router import RouterConfig
 
     policies = [p for p in args.policies.split(",") if p]
     cfg = RouterConfig(rejection=args.rejection, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)

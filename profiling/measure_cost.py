@@ -1,6 +1,6 @@
 """Measure SmolLM2's prefill and decode-step times as a cluster worker runs them (one torch
 thread, the worker's dtype) and fit the ``smollm2-cpu`` cost model's free constants
-(engine/cluster/cost_model.py) to them. A few minutes on this machine.
+(engine/cluster/conductor/cost_model.py) to them. A few minutes on this machine.
 
     python profiling/measure_cost.py                 # --threads 1 --dtype auto
     python profiling/measure_cost.py --threads 2 --dtype float32
@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.cluster.cost_model import SMOLLM2_CPU  # noqa: E402
+from engine.cluster.conductor.cost_model import SMOLLM2_CPU  # noqa: E402
 
 PREFILL = ((64, 0), (256, 0), (512, 0), (1024, 0), (256, 512), (64, 960))  # (new, cached)
 DECODE = (1, 4, 16)  # batch sizes, 64-token prompts
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     for b, t in dec.items():
         print(f"| {b} | {t * 1e3:.1f} | {fitted.decode_step_s(b, b * ctx) * 1e3:.1f} |")
     f = fitted
-    print("\nSMOLLM2_CPU constants (engine/cluster/cost_model.py):")
+    print("\nSMOLLM2_CPU constants (engine/cluster/conductor/cost_model.py):")
     print(f"    kv_bytes_per_token={f.kv_bytes_per_token}, weight_bytes={f.weight_bytes:.4g},")
     print(f"    flops_per_s={rate:.4g}, mfu=1.0, prefill_overhead_s={f.prefill_overhead_s:.4g},")
     print(f"    hbm_bytes_per_s={bw:.4g}, hbm_efficiency=1.0, "

@@ -27,7 +27,7 @@ which no test failed, a chaos or soak row when its run passed):
 <!-- doc-test: skip="the suites' long forms: an hour and more" -->
 ```bash
 # default suite part: closed doors, bounded fuzzing, one short chaos scenario (~2 min)
-.venv/bin/python -m pytest tests/security tests/fuzz tests/chaos -m "not slow"
+.venv/bin/python -m pytest tests/ipc tests/fuzz tests/chaos -m "not slow"
 # long forms, by hand: thousands of fuzz examples per socket and file format, long chaos runs
 .venv/bin/python -m pytest tests/fuzz tests/chaos -m slow          # CHAOS_DURATION_S=240 each
 .venv/bin/python tests/chaos/chaos_harness.py --duration 600 --seed 3
@@ -40,7 +40,7 @@ which no test failed, a chaos or soak row when its run passed):
 """
 
 DOORS = """
-## Closed doors (tests/security: the "doors" row)
+## Closed doors (tests/ipc: the "doors" row)
 
 - Every ZeroMQ socket of the cluster (router control, worker block events, KV), the pool service
   (requests, events) and the RPC server uses CURVE when keys are given (`engine keys generate

@@ -300,13 +300,13 @@ def write_doc(path: Path, pol: dict, rej: dict, col: dict, hit: dict, r: Runner,
         "Written by `make reproduce` (`python profiling/reproduce.py`) in "
         f"{wall / 60:.1f} min on the 2-core development machine; every figure below comes from "
         "`profiling/simulate.py` (a discrete-event simulator that drives the engine's own "
-        "`engine.cluster.conductor.Conductor` and the block store's eviction policies) on "
+        "`engine.cluster.conductor.conductor.Conductor` and the block store's eviction policies) on "
         f"`{trace}`, the public Mooncake conversation trace (12,031 requests in 59 minutes, "
         "mean input 12,035 and output 343 tokens, 512-token block hashes). All runs use seed 0 "
         "and are deterministic; the exact command of each run is listed at the end.\n"
     )
     add(
-        "**Cost model** (`--cost-model paper`, every constant in `engine/cluster/cost_model.py`):"
+        "**Cost model** (`--cost-model paper`, every constant in `engine/cluster/conductor/cost_model.py`):"
         " LLaMA3-70B on one 8 x A800-SXM4-80GB node per instance; prefill FLOPs "
         "`80 (4 d n (n + p) + 22 d^2 n)` (FAST'25 Eq. 2 with a=4, b=22, d=8192) at 50% of "
         "8 x 312 TFLOP/s plus 20 ms, overlapped with loading the p cached tokens at 128 GB/s; "
@@ -516,7 +516,7 @@ def write_doc(path: Path, pol: dict, rej: dict, col: dict, hit: dict, r: Runner,
     add("## 4. Prefix cache hit rate against capacity and eviction policy (arXiv-v3 Table 1)\n")
     add(
         "One global cache replayed over the whole trace (the paper's set-up), using the block "
-        "store's policies (`engine/kvcache/eviction.py`); hit = leading blocks found, in prompt "
+        "store's policies (`engine/kvstore/eviction.py`); hit = leading blocks found, in prompt "
         "tokens. The paper's numbers are on its own, earlier trace. Ours agree with the figures "
         "the trace's README gives (LRU: 21.5% at 10,000 blocks, 36.2% at 50,000, 37.4% "
         "unlimited), which checks the replay.\n"
@@ -571,7 +571,7 @@ def _commands(obj) -> list[str]:
 
 
 def _cost():
-    from engine.cluster.cost_model import PAPER
+    from engine.cluster.conductor.cost_model import PAPER
 
     return PAPER
 

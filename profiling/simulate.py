@@ -6,7 +6,7 @@
 prints one JSON object (``--json``) or a table: TTFT mean/p50/p90 over completed requests, TBT p90
 over all token intervals, completed and rejected requests, the prompt-token cache hit rate, the
 share meeting both SLOs. The cost model (``--cost-model paper|smollm2-cpu``, constants in
-engine/cluster/cost_model.py) gives every instance time; see profiling/sim_cluster.py for what is
+engine/cluster/conductor/cost_model.py) gives every instance time; see profiling/sim_cluster.py for what is
 simulated. Deterministic for a given trace, configuration and ``--seed``.
 """
 
@@ -23,10 +23,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.cluster.conductor import POLICIES  # noqa: E402
-from engine.cluster.cost_model import COST_MODELS  # noqa: E402
-from engine.cluster.rejection import REJECTIONS  # noqa: E402
-from engine.kvcache.eviction import POLICIES as EVICTIONS  # noqa: E402
+from engine.cluster.conductor.conductor import POLICIES  # noqa: E402
+from engine.cluster.conductor.cost_model import COST_MODELS  # noqa: E402
+from engine.cluster.conductor.rejection import REJECTIONS  # noqa: E402
+from engine.kvstore.eviction import POLICIES as EVICTIONS  # noqa: E402
 from profiling.sim_cluster import DEFAULT_CACHE_BLOCKS, SimConfig, Simulator  # noqa: E402
 from profiling.sim_trace import DEFAULT_TRACE, load_trace  # noqa: E402
 

@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import psutil
 
-from engine.ports import free_port
+from engine.ipc.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIXES = [
@@ -56,7 +56,7 @@ class Soak:
     # -- the cluster -------------------------------------------------------------------------
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "engine.server.cli", "cluster", "--prefill", "1",
+        cmd = [sys.executable, "-m", "engine.cli.main", "cluster", "--prefill", "1",
                "--decode", "1", "--port", str(self.port), "--model", "default", "--dtype",
                self.args.dtype, "--max-model-len", "1024", "--kv-cache-memory-gb", "0.25",
                "--threads", "1", "--log-level", "warning", *self.args.cluster_args]  # fmt: skip

@@ -15,8 +15,8 @@ import tempfile  # noqa: E402
 import engine  # noqa: E402, F401
 
 # Engines built in one test session share dequantized weights through a weight cache of the
-# session's own (engine/weight_cache.py): the first engine of a model and dtype writes it, later
-# ones map it, and the suite never reads or writes ~/.cache. Subprocesses (real servers and
+# session's own (engine/model/weight_cache.py): the first engine of a model and dtype writes it,
+# later ones map it, and the suite never reads or writes ~/.cache. Subprocesses (real servers and
 # workers) inherit it.
 if "ENGINE_WEIGHT_CACHE_DIR" not in os.environ:
     _weights = tempfile.mkdtemp(prefix="engine-test-weights-")

@@ -25,7 +25,7 @@ PATHS = (
     "tests/kernels",
     "tests/layers/test_low_precision.py",
     "tests/layers/test_native_decode.py",
-    "tests/layers/test_models_vs_transformers.py",
+    "tests/model/test_models_vs_transformers.py",
     "tests/cluster/test_cluster_bf16.py",
 )
 CAP = "avx2"

@@ -12,7 +12,7 @@ import pytest
 from engine import SamplingParams
 from engine.async_llm import AsyncLLM
 from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 
 
 def test_engine_is_built_and_stepped_on_the_loop_thread(monkeypatch):

@@ -143,9 +143,9 @@ def save_tokenizer(directory: str | os.PathLike[str]) -> None:
 @functools.cache
 def smollm2_tokenizer() -> Any:
     """Our Tokenizer for the default SmolLM2 GGUF (read once per process)."""
-    from engine.gguf_loader import read_gguf
-    from engine.model_loader import resolve_model_path
-    from engine.tokenizer import tokenizer_from_gguf
+    from engine.model.gguf_loader import read_gguf
+    from engine.model.loader import resolve_model_path
+    from engine.model.tokenizer import tokenizer_from_gguf
 
     meta, _ = read_gguf(resolve_model_path("default"))
     return tokenizer_from_gguf(meta)

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 
-from engine.ports import free_port
+from engine.ipc.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Cluster:
         serve``), which every worker uses as its KV pool (``--kv-pool tcp://...``)."""
         from dataclasses import replace
 
-        from engine.cluster.router import Router, RouterConfig
+        from engine.cluster.router.router import Router, RouterConfig
 
         if prefill < 1 or decode < 1:
             raise ValueError(f"--prefill and --decode must be >= 1, got {prefill} and {decode}")
@@ -175,7 +175,7 @@ class Cluster:
 
     def start_worker(self, role: str, worker_id: str) -> subprocess.Popen:
         """Start (or restart, under the same name) a worker process."""
-        from engine.cluster.transfer import remove_stale_arenas
+        from engine.kv_connector.staging import remove_stale_arenas
 
         old = self.procs.get(worker_id)
         if old is not None:
@@ -191,7 +191,7 @@ class Cluster:
         return proc
 
     def stop(self, timeout: float = 20.0) -> None:
-        from engine.cluster.transfer import remove_stale_arenas
+        from engine.kv_connector.staging import remove_stale_arenas
 
         pool = self.procs.pop("pool", None)
         for proc in self.procs.values():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol, runtime_checkable
 
-from engine.metrics import MetricsSnapshot
+from engine.core.metrics import MetricsSnapshot
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 

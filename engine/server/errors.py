@@ -7,7 +7,7 @@ import logging
 import re
 
 from engine.async_llm import EngineDeadError, EngineShuttingDownError
-from engine.scheduler import QueueFullError
+from engine.core.scheduler import QueueFullError
 
 logger = logging.getLogger("engine.server")
 

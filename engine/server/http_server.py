@@ -29,12 +29,11 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_llm import EngineDeadError, EngineShuttingDownError
-from engine.scheduler import QueueFullError
+from engine.core.scheduler import QueueFullError
 from engine.server import openapi
-from engine.server.client_cap import ClientCap
 from engine.server.errors import APIError, error_body, to_api_error
 from engine.server.http_limits import HTTPLimits, protocol_class
-from engine.server.offload import Offloader
+from engine.server.inflight_cap import ClientCap
 from engine.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,6 +43,7 @@ from engine.server.openai_protocol import (
 from engine.server.openai_serving import OpenAIServing
 from engine.server.prometheus import EngineCollector, Rejections, make_registry, render
 from engine.server.streams import RequestStreams
+from engine.server.tokenize_pool import Offloader
 
 logger = logging.getLogger("engine.server")
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, to_api_error
-from engine.server.offload import check_prompt_chars
 from engine.server.openai_protocol import (
     MAX_SEQUENCES,
     ChatCompletionRequest,
@@ -26,6 +25,7 @@ from engine.server.openai_protocol import (
     CompletionRequest,
 )
 from engine.server.streams import RequestStreams
+from engine.server.tokenize_pool import check_prompt_chars
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 DONE = b"data: [DONE]\n\n"

@@ -1,5 +1,5 @@
 """The ZeroMQ RPC server: a ROUTER socket, msgpack messages, streamed replies (see
-engine/client.py for the protocol and the clients).
+engine/server/rpc_client.py for the protocol and the clients).
 
 All socket IO runs on one asyncio loop (zmq.asyncio); each generate/stream call is a task that
 drives one engine request. Replies are sent without blocking: a peer that is gone or reads too
@@ -24,13 +24,13 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from engine.client import DEFAULT_ADDRESS, OPS, pack
+from engine.ipc import curve
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.security import curve
 from engine.server.errors import APIError, to_api_error
-from engine.server.offload import Offloader, check_prompt_chars
 from engine.server.openai_protocol import MAX_N
+from engine.server.rpc_client import DEFAULT_ADDRESS, OPS, pack
+from engine.server.tokenize_pool import Offloader, check_prompt_chars
 
 logger = logging.getLogger("engine.server.rpc")
 

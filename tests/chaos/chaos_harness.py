@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from kvcache.pool_service_helpers import free_port
+from kvstore.service.pool_service_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = (
@@ -144,7 +144,7 @@ class Chaos:
         base.pop("ENGINE_FAULT_KV", None)
         self.base_env = base
         self.ssd_mode = "tmpfs" if _can_mount_tmpfs(workdir) else "directory"
-        py = [sys.executable, "-m", "engine.server.cli"]
+        py = [sys.executable, "-m", "engine.cli.main"]
         engine = ["--model", "default", "--dtype", "float32", "--max-model-len", "1024",
                   "--kv-cache-memory-gb", "0.2", "--threads", "1", "--log-level", "warning",
                   "--kv-pool", f"tcp://127.0.0.1:{self.pool_port}"]  # fmt: skip
@@ -234,7 +234,7 @@ class Chaos:
         pid = p.popen.pid if p.popen else None
         p.kill()
         if name in ("prefill", "decode") and pid is not None:
-            from engine.cluster.transfer import remove_stale_arenas
+            from engine.kv_connector.staging import remove_stale_arenas
 
             remove_stale_arenas([pid])  # what the launcher does for a dead worker
         time.sleep(self.rng.uniform(0.3, 1.5))
@@ -255,7 +255,7 @@ class Chaos:
         self._stop.set()
         for name in ("prefill", "decode", "router", "pool"):
             self.procs[name].stop()
-        from engine.cluster.transfer import remove_stale_arenas
+        from engine.kv_connector.staging import remove_stale_arenas
 
         pids = [pid for p in self.procs.values() for pid in p.pids]
         stale_staging = remove_stale_arenas(pids)  # files of SIGKILLed decode workers
@@ -397,8 +397,8 @@ class Chaos:
         """The pool service's leases and reservations back at 0 (they also end by deadline)."""
         import zmq
 
-        from engine.kvcache import pool_protocol as P
-        from engine.security import curve
+        from engine.ipc import curve
+        from engine.kvstore.service import protocol as P
 
         deadline = time.monotonic() + timeout
         ctx = zmq.Context()
@@ -508,7 +508,7 @@ def main() -> int:
     sys.path.insert(0, str(REPO / "tests"))
     from reliab_record import write_record
 
-    from engine.security.curve import generate_keys
+    from engine.ipc.curve import generate_keys
 
     with tempfile.TemporaryDirectory() as tmp:
         keys = str(Path(tmp) / "keys")

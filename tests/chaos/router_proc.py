@@ -11,8 +11,8 @@ import sys
 import threading
 import time
 
-from engine.cluster import router as router_module
-from engine.server import cli
+from engine.cli import main as cli
+from engine.cluster.router import router as router_module
 
 
 def _dump(router, path: str) -> None:

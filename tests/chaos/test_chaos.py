@@ -21,7 +21,7 @@ import pytest
 from chaos_harness import ChaosConfig, describe, lost_line, outcome_line, run_scenario
 from chaos_harness import summary_counts as counts
 
-from engine.security.curve import generate_keys
+from engine.ipc.curve import generate_keys
 
 pytestmark = pytest.mark.chaos
 

@@ -12,11 +12,11 @@ import time
 
 import httpx
 import pytest
+from engines import make_engine, run_all
 from server.serverutil import http_server
-from test_engine_scheduling import make_engine, run_all
 
 from engine.cluster.launcher import Cluster
-from engine.cluster.router import RouterConfig
+from engine.cluster.router.router import RouterConfig
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

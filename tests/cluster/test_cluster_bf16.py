@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from test_engine_scheduling import run_all
+from engines import run_all
 
 from engine.cluster.launcher import Cluster
-from engine.cluster.router import RouterConfig
+from engine.cluster.router.router import RouterConfig
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

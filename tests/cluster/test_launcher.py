@@ -16,7 +16,7 @@ import psutil
 import pytest
 from cluster_procs import wait_healthy
 
-from engine.ports import free_port
+from engine.ipc.ports import free_port
 
 
 def shm_files() -> set[str]:

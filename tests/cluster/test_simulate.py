@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 
-import engine.cluster.conductor as conductor_mod
-import engine.cluster.conductor_placement as conductor_placement
-import engine.kvcache.eviction as eviction_mod
-from engine.cluster.cost_model import PAPER, SMOLLM2_CPU
+import engine.cluster.conductor.adapter as conductor_placement
+import engine.cluster.conductor.conductor as conductor_mod
+import engine.kvstore.eviction as eviction_mod
+from engine.cluster.conductor.cost_model import PAPER, SMOLLM2_CPU
 from profiling import sim_cluster, simulate
 from profiling.sim_cluster import SimConfig, Simulator
 from profiling.sim_trace import TraceRequest, load_trace

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from engine.ports import free_port
+from engine.ipc.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LANGS = ("bash", "python")
@@ -353,7 +353,7 @@ def _check_mooncake(text: str) -> None:
     if "mooncake" not in text:
         return
     if not _mooncake:
-        from engine.kvcache.mooncake_tier import MooncakeUnavailable, load_store_class
+        from engine.kvstore.mooncake_tier import MooncakeUnavailable, load_store_class
 
         why = None
         try:

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from test_fuzz_decoders import CLUSTER_HEADERS
 
 from engine.cluster import messages as m
-from engine.cluster.kv_receiver import KVReceiver
-from engine.cluster.router import Router, RouterConfig
-from engine.cluster.transfer import StagingArena, checksum
+from engine.cluster.router.router import Router, RouterConfig
+from engine.kv_connector.receiver import KVReceiver
+from engine.kv_connector.staging import StagingArena, checksum
 from engine.sampling_params import SamplingParams
 
 START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)

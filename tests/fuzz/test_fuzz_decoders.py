@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.cluster import messages as m
-from engine.kvcache import block_record
-from engine.kvcache import pool_protocol as P
+from engine.kvstore import block_record
+from engine.kvstore.service import protocol as P
 
 START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_gguf, tiny_model
 
-from engine.kvcache.ssd_tier import SsdTier
+from engine.kvstore.ssd_tier import SsdTier
 
 START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
 
@@ -60,7 +60,7 @@ def _apply(path: Path, damages) -> None:
 
 def _load(path: Path, fmt: str) -> str:
     """Load the damaged model; the outcome's name (a clear error or a load)."""
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
 
     rss0 = psutil.Process().memory_info().rss
     faulthandler.dump_traceback_later(HANG_S, exit=True)
@@ -152,7 +152,7 @@ def test_empty_and_missing_files(tmp_path, gguf_file):
 
 
 def _ssd(tmp_path_factory, damages_per_key) -> None:
-    from kvcache.pool_service_helpers import block, key, small_namespace
+    from kvstore.service.pool_service_helpers import block, key, small_namespace
 
     ns = small_namespace()
     d = tmp_path_factory.mktemp("ssd")

@@ -15,10 +15,10 @@ import pytest
 import zmq
 from fuzz_frames import message_frames
 from hypothesis import HealthCheck, given, settings
-from kvcache.pool_service_helpers import free_port, small_namespace, start_service, stop
+from kvstore.service.pool_service_helpers import free_port, small_namespace, start_service, stop
 
-from engine.kvcache import block_record
-from engine.kvcache import pool_protocol as P
+from engine.kvstore import block_record
+from engine.kvstore.service import protocol as P
 
 START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from test_fuzz_decoders import CLUSTER_HEADERS
 
 from engine.cluster import messages as m
-from engine.cluster.transfer import StagingArena
+from engine.kv_connector.staging import StagingArena
 
 START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
 
@@ -44,7 +44,7 @@ class FakeRouter:
         self.kv_address = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         env.pop("ENGINE_CURVE_KEYS", None)
-        cmd = [sys.executable, "-m", "engine.server.cli", "worker", "--role", role, "--router",
+        cmd = [sys.executable, "-m", "engine.cli.main", "worker", "--role", role, "--router",
                self.address, "--worker-id", "fz", "--kv-cache-memory-gb", "0.1",
                "--max-model-len", "512", "--threads", "1", "--kv-staging-mb", "16",
                "--kv-transport", "shm", "--dtype", "float32", "--log-level", "error"]  # fmt: skip

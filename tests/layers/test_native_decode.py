@@ -15,9 +15,9 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kernels import native
 from engine.kvcache.paged_cache import PagedKVCache
 from engine.layers.attention_metadata import AttentionMetadata
-from engine.layers.llama import LlamaForCausalLM
 from engine.layers.native_decode import MAX_ROWS, NativeDecoder
 from engine.llm import LLM
+from engine.model.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")

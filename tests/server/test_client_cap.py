@@ -11,7 +11,7 @@ import httpx
 import pytest
 from serverutil import http_server, wait_idle
 
-from engine.server.commands import DEFAULT_PER_CLIENT
+from engine.cli.serve import DEFAULT_PER_CLIENT
 
 LONG = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
 SHORT = {"prompt": "Hi", "max_tokens": 1}
@@ -70,7 +70,7 @@ def test_places_are_returned_after_errors(capped):
 def test_serve_default_and_off():
     import argparse
 
-    from engine.server.commands import _check_limits
+    from engine.cli.serve import _check_limits
 
     def limits(**kw):
         args = argparse.Namespace(

@@ -12,8 +12,8 @@ import pytest
 from serverutil import MODEL, http_server
 
 from engine.async_llm import EngineDeadError
-from engine.cluster.router import ClusterUnavailableError
-from engine.metrics import MetricsSnapshot
+from engine.cluster.router.router import ClusterUnavailableError
+from engine.core.metrics import MetricsSnapshot
 
 
 class _Tokenizer:

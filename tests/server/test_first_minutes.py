@@ -12,7 +12,7 @@ import pytest
 import zmq
 from serverutil import MODEL, RPCThread, http_server
 
-from engine.server.cli import main
+from engine.cli.main import main
 
 
 def test_port_in_use_is_one_line_before_the_model_loads(capsys):

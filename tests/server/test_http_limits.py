@@ -185,7 +185,7 @@ def test_overload_is_always_the_documented_429(llm):
 def test_default_limits_agree():
     """The admission queue (429) fills before the connection cap; a --max-pending above the
     cap is refused at start-up."""
-    from engine.server.cli import main
+    from engine.cli.main import main
 
     assert main(["serve", "--max-pending", "4096", "--max-connections", "2048"]) == 2
     assert main(["rpc", "--max-pending", "10", "--max-inflight", "5"]) == 2
@@ -218,7 +218,7 @@ def test_connection_rate_per_client_is_bounded(llm):
 def test_connections_per_client_follow_the_request_cap():
     """`engine serve`: one address holds twice its request cap in connections (at least 64, at
     most half of all), so a reconnecting slowloris client is reset early instead of parsed."""
-    from engine.server.commands import connections_per_client
+    from engine.cli.serve import connections_per_client
 
     assert connections_per_client(2048, 32) == 64
     assert connections_per_client(2048, 100) == 200

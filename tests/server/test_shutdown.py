@@ -15,7 +15,7 @@ import httpx
 import pytest
 from serverutil import MAX_MODEL_LEN, MODEL
 
-from engine.ports import free_port
+from engine.ipc.ports import free_port
 
 ENGINE_ARGS = [
     "--model",

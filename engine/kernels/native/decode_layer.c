@@ -7,7 +7,7 @@
    stream through gemv.h's row dots (int8 with per-row scales, or 16-bit/float32 as stored),
    attention is decode_attention.c's, and the small elementwise parts run in place.
 
-   The C counterpart of DecoderLayer.forward (engine/layers/llama.py) for decode-only steps of up
+   The C counterpart of DecoderLayer.forward (engine/model/llama.py) for decode-only steps of up
    to GEMV_ROWS_LIMIT sequences, driven by engine/layers/native_decode.py. Numerics follow the torch
    layer: every value the torch layer stores in the model's dtype is rounded to it here at the same
    point (RMSNorm statistics, rotary, softmax and all sums in float32). */

@@ -1,0 +1,449 @@
+"""The Conductor: places each request on a prefill and a decode instance, or refuses it early.
+
+Mooncake's Algorithm 1 (FAST'25 §4.1; arXiv-v3 §6-7). For a request's prompt block hashes it
+estimates, per prefill instance, TTFT = transfer of the blocks that must move + queue + prefill
+of the unmatched part, and picks by the selected policy:
+
+- ``random``, ``round_robin``: ignore load and cache (the instance still reuses its own prefix).
+- ``load``: the shortest estimated queue.
+- ``cache_aware`` (the paper's "local cache-aware"): the lowest TTFT using each instance's own
+  prefix only. (Pure longest-prefix-match would send every request that shares a system prompt to
+  one instance; the paper's local variant weighs the queue too.)
+- ``kvcentric`` (default, "global cache-aware"): as cache_aware, but when the best prefix held
+  anywhere exceeds an instance's own by more than ``balancing_threshold`` times, that instance may
+  copy the missing blocks first (if the copy is cheaper than recomputing them): hot prefixes
+  replicate onto the instances that serve them.
+
+The decode instance is the one with the lowest estimated TBT once the request joins. Rejection
+(``rejection.py``): ``none`` is the paper's baseline, each stage refusing only work it cannot do
+in time (here: TTFT over the SLO at arrival; a decode worker may still refuse after the prefill);
+``early`` also refuses when the decode pool's load now would miss the TBT SLO; ``predicted``
+when the load predicted for the moment the prefill ends would.
+
+Pure: state changes only through the methods (see decision.Placer); the clock is an argument.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine.cluster.conductor import decision as pl
+from engine.cluster.conductor.cost_model import PAPER, CostModel
+from engine.cluster.conductor.prefix_index import PrefixIndex
+from engine.cluster.conductor.rejection import (
+    REJECTIONS,
+    DecodeState,
+    pool_load,
+    tbt_at,
+    tbt_committed,
+    tbt_now,
+)
+from engine.cluster.conductor.time_models import PrefillTimeModel, TbtModel
+
+POLICIES = ("random", "round_robin", "load", "cache_aware", "kvcentric")
+DECODE_WINDOW = 128  # decodes the uniform decode time t_d is the mean of
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    policy: str = "kvcentric"
+    rejection: str = "predicted"
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    # Unstated in the papers ("currently adjusted manually"); swept in docs/reproduction.md.
+    balancing_threshold: float = 1.5
+    block_tokens: int = 512  # tokens per hashed block
+    decode_time_s: float = 0.0  # t_d of the prediction; 0: the mean of the recent decodes
+    prior_decode_time_s: float = 10.0  # t_d until a decode has been measured
+    # Output tokens a request adds to its decode instance's KV, until finished requests report
+    # theirs (then their mean): the decode choice and the capacity check count prompt + this.
+    prior_output_tokens: int = 256
+    seed: int = 0  # of the random policy
+    # Roles whose blocks kvcentric may copy to a prefill instance: only those the cluster can
+    # really copy from (a planned copy that never happens makes every estimate after it wrong).
+    copy_sources: tuple[str, ...] = ("prefill", "pool")
+    # Refit the TBT model every this many decode reports (the simulator reports every step; a
+    # cluster's decode workers report a mean per heartbeat, so far fewer arrive).
+    tbt_refit_every: int = 256
+    # A copy from a prefill instance starts when the source's current work lets it (a worker
+    # serves it between its forward passes): it is estimated to wait for the source's queue, up
+    # to this many seconds (the router's copy timeout, after which the prefill runs without
+    # it). 0: copies start at once (the simulator's instances copy without delay).
+    copy_wait_cap_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.rejection not in REJECTIONS:
+            raise ValueError(f"rejection must be one of {REJECTIONS}, got {self.rejection!r}")
+        if self.prior_output_tokens < 0:
+            raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
+        for f in ("ttft_slo_s", "tbt_slo_s", "prior_decode_time_s"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"{f} must be > 0, got {getattr(self, f)}")
+        if not self.balancing_threshold >= 1:
+            raise ValueError(f"balancing_threshold must be >= 1, got {self.balancing_threshold}")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
+        if self.decode_time_s < 0:
+            raise ValueError(f"decode_time_s must be >= 0, got {self.decode_time_s}")
+        bad = [r for r in self.copy_sources if r not in ("prefill", "pool")]
+        if bad:
+            raise ValueError(f"copy_sources must be roles among prefill and pool, got {bad}")
+        if self.copy_wait_cap_s < 0:
+            raise ValueError(f"copy_wait_cap_s must be >= 0, got {self.copy_wait_cap_s}")
+        if self.tbt_refit_every < 1:
+            raise ValueError(f"tbt_refit_every must be >= 1, got {self.tbt_refit_every}")
+
+
+class _Prefill:
+    """A prefill instance's FIFO queue of estimated durations."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        self.queue: dict[str, float] = {}  # request -> estimated seconds, in arrival order
+        self.queued_s = 0.0
+        self.head_started = 0.0
+
+    def queue_s(self, now: float) -> float:
+        if not self.queue:
+            return 0.0
+        head = next(iter(self.queue.values()))
+        return max(0.0, self.queued_s - min(head, max(0.0, now - self.head_started)))
+
+    def push(self, request_id: str, seconds: float, now: float) -> None:
+        if not self.queue:
+            self.head_started = now
+        self.queue[request_id] = seconds
+        self.queued_s += seconds
+
+    def pop(self, request_id: str, now: float) -> bool:
+        if request_id not in self.queue:
+            return False
+        was_head = next(iter(self.queue)) == request_id
+        self.queued_s -= self.queue.pop(request_id)
+        if not self.queue:
+            self.queued_s = 0.0  # no float drift
+        elif was_head:
+            self.head_started = now
+        return True
+
+
+class Estimate(NamedTuple):
+    instance_id: str
+    prefix_blocks: int  # after copies
+    local_blocks: int
+    transfer_s: float
+    queue_s: float
+    prefill_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.transfer_s + self.queue_s + self.prefill_s
+
+
+class Conductor:
+    def __init__(self, config: ConductorConfig | None = None, prior: CostModel = PAPER) -> None:
+        self.config = config or ConductorConfig()
+        self.prior = prior
+        self.index = PrefixIndex()
+        self.prefill_model = PrefillTimeModel(prior)
+        self.tbt_model = TbtModel(prior, refit_every=self.config.tbt_refit_every)
+        self._prefills: dict[str, _Prefill] = {}
+        self._decodes: dict[str, DecodeState] = {}
+        self._pools: list[str] = []
+        self._where: dict[str, tuple[str, str]] = {}  # request -> (prefill, decode)
+        self._prefill_est: dict[str, tuple[int, int]] = {}  # request -> (new, cached) tokens
+        self._rng = random.Random(self.config.seed)
+        self._rr = 0
+        # Recent decode durations: under a changing load the decode time changes with the TBT.
+        self._decode_times: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self._output_sum = 0
+        self._output_count = 0
+        self.copies_planned = 0
+
+    # -- cluster membership and events ---------------------------------------------------------
+
+    def add_instance(self, instance_id: str, role: str, kv_capacity_tokens: int = 0) -> None:
+        if role not in pl.ROLES:
+            raise ValueError(f"role must be one of {pl.ROLES}, got {role!r}")
+        if kv_capacity_tokens < 0:
+            raise ValueError(f"kv_capacity_tokens must be >= 0, got {kv_capacity_tokens}")
+        if role == "decode":
+            self._decodes[instance_id] = DecodeState(
+                instance_id, kv_capacity_tokens, self.prior.max_batch
+            )
+            return
+        self.index.add_holder(instance_id)
+        if role == "prefill":
+            self._prefills[instance_id] = _Prefill(instance_id)
+        elif instance_id not in self._pools:
+            self._pools.append(instance_id)
+
+    def remove_instance(self, instance_id: str, now: float) -> list[str]:
+        self.index.remove_holder(instance_id)
+        if instance_id in self._pools:
+            self._pools.remove(instance_id)
+        self._prefills.pop(instance_id, None)
+        self._decodes.pop(instance_id, None)
+        lost = [r for r, (p, d) in self._where.items() if instance_id in (p, d)]
+        for r in lost:
+            self.on_request_finished(r, now)
+        return lost
+
+    def on_event(self, instance_id: str, event: dict) -> bool:
+        return self.index.apply(instance_id, event)
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def estimate(
+        self,
+        instance_id: str,
+        keys: Sequence[Hashable],
+        prompt_len: int,
+        now: float,
+        best: tuple[int, str | None] = (0, None),
+    ) -> Estimate:
+        """TTFT parts on one prefill instance; with ``best`` = (blocks, holder) the instance may
+        copy the blocks it lacks from the holder (kvcentric)."""
+        bt = self.config.block_tokens
+        local = self.index.match(instance_id, keys)
+        queue_s = self._prefills[instance_id].queue_s(now)
+        cap = prompt_len - 1  # the last token is always computed
+        cached = min(local * bt, cap)
+        own = Estimate(
+            instance_id,
+            local,
+            local,
+            0.0,
+            queue_s,
+            self.prefill_model.predict(prompt_len - cached, cached),
+        )
+        best_len, holder = best
+        if holder is None or holder == instance_id or best_len <= local:
+            return own
+        if local and best_len / local <= self.config.balancing_threshold:
+            return own
+        cached_b = min(best_len * bt, cap)
+        wait = 0.0
+        if holder in self._prefills and self.config.copy_wait_cap_s > 0:
+            wait = min(self._prefills[holder].queue_s(now), self.config.copy_wait_cap_s)
+        copied = Estimate(
+            instance_id,
+            best_len,
+            local,
+            wait + self.prior.copy_s(cached_b - cached),
+            queue_s,
+            self.prefill_model.predict(prompt_len - cached_b, cached_b),
+        )
+        return copied if copied.ttft_s < own.ttft_s else own
+
+    def decide(
+        self,
+        request_id: str,
+        block_hashes: Sequence[Hashable],
+        prompt_len: int,
+        now: float,
+        output_tokens: int | None = None,
+    ) -> pl.Decision:
+        """``output_tokens``: the request's output length when known (an oracle the simulator
+        can give, to bound what a better decode-time prediction would gain): its KV and its
+        decode time (that many steps at the estimated TBT) then replace the averages."""
+        if prompt_len < 1:
+            raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+        if output_tokens is not None and output_tokens < 0:
+            raise ValueError(f"output_tokens must be >= 0, got {output_tokens}")
+        if request_id in self._where:
+            raise ValueError(f"request_id {request_id!r} is already placed")
+        keys = list(block_hashes)
+        if not self._prefills:
+            return _reject(request_id, pl.REJECT_NO_PREFILL)
+        if not self._decodes:
+            return _reject(request_id, pl.REJECT_NO_DECODE)
+        est = self._choose_prefill(keys, prompt_len, now)
+        out = self.expected_output_tokens() if output_tokens is None else output_tokens
+        tokens = prompt_len + out  # KV it will hold on its decode
+        decode, est_tbt = self._choose_decode(tokens, now + est.ttft_s)
+        reason = self._rejection(est.ttft_s, decode, tokens, now)
+        if reason:
+            return _reject(request_id, reason, est.ttft_s, est_tbt)
+        copies: tuple[pl.BlockCopy, ...] = ()
+        if est.prefix_blocks > est.local_blocks:
+            src = self._holder_of(keys, est.prefix_blocks, exclude=est.instance_id)
+            copies = (
+                pl.BlockCopy(
+                    src, est.instance_id, tuple(keys[est.local_blocks : est.prefix_blocks])
+                ),
+            )
+            self.copies_planned += 1
+        # The chosen instance will hold the whole prompt's blocks (Mooncake: "the Conductor
+        # updates the chosen instance's cache"); its events will confirm or correct this.
+        self.index.stored(est.instance_id, keys)
+        self._prefills[est.instance_id].push(request_id, est.transfer_s + est.prefill_s, now)
+        cached = min(est.prefix_blocks * self.config.block_tokens, prompt_len - 1)
+        self._prefill_est[request_id] = (prompt_len - cached, cached)
+        duration = None
+        if output_tokens is not None and math.isfinite(est_tbt):
+            duration = output_tokens * est_tbt
+        self._decodes[decode].add_incoming(request_id, tokens, now + est.ttft_s, duration)
+        self._where[request_id] = (est.instance_id, decode)
+        return pl.Decision(
+            request_id,
+            True,
+            est.instance_id,
+            decode,
+            copies,
+            est.prefix_blocks,
+            est.ttft_s,
+            est_tbt,
+            "",
+        )
+
+    def _choose_prefill(self, keys: list, prompt_len: int, now: float) -> Estimate:
+        ids = list(self._prefills)
+        policy = self.config.policy
+        if policy == "random":
+            return self.estimate(self._rng.choice(ids), keys, prompt_len, now)
+        if policy == "round_robin":
+            self._rr = (self._rr + 1) % len(ids)
+            return self.estimate(ids[self._rr], keys, prompt_len, now)
+        if policy == "load":
+            pick = min(ids, key=lambda i: self._prefills[i].queue_s(now))
+            return self.estimate(pick, keys, prompt_len, now)
+        best: tuple[int, str | None] = (0, None)
+        if policy == "kvcentric":
+            src = self.config.copy_sources
+            holders = (ids if "prefill" in src else []) + (self._pools if "pool" in src else [])
+            for holder in holders:
+                n = self.index.match(holder, keys)
+                if n > best[0]:
+                    best = (n, holder)
+        ests = [self.estimate(i, keys, prompt_len, now, best) for i in ids]
+        return min(ests, key=lambda e: (e.ttft_s, e.queue_s))
+
+    def _choose_decode(self, tokens: int, t_ready: float) -> tuple[str, float]:
+        """The least loaded decode instance: with ``predicted`` rejection, by the TBT predicted
+        for when this request's prefill ends (``t_ready``); otherwise once every request placed
+        on it (running or still in prefill) and this one decode together. Load is ranked by TBT
+        without the capacity check, so instances that are all full still rank by how full.
+        Returns it and its committed TBT (inf if the request would not fit)."""
+        predict = self.tbt_model.predict
+        td = self.decode_time_s()
+        keys = {}
+        for d, s in self._decodes.items():
+            committed = tbt_committed(s, predict, tokens, capacity=False)
+            if self.config.rejection == "predicted":
+                keys[d] = (tbt_at(s, predict, t_ready, td, tokens, capacity=False), committed)
+            else:
+                keys[d] = (committed,)
+        decode = min(keys, key=keys.__getitem__)
+        return decode, tbt_committed(self._decodes[decode], predict, tokens)
+
+    def _holder_of(self, keys: list, blocks: int, exclude: str) -> str:
+        src = self.config.copy_sources
+        holders = (list(self._prefills) if "prefill" in src else []) + (
+            self._pools if "pool" in src else []
+        )
+        for holder in holders:
+            if holder != exclude and self.index.match(holder, keys) >= blocks:
+                return holder
+        raise AssertionError("a copy was planned from a holder that does not exist")
+
+    def expected_output_tokens(self) -> int:
+        if self._output_count == 0:
+            return self.config.prior_output_tokens
+        return round(self._output_sum / self._output_count)
+
+    def decode_time_s(self) -> float:
+        if self.config.decode_time_s > 0:
+            return self.config.decode_time_s
+        if not self._decode_times:
+            return self.config.prior_decode_time_s
+        return sum(self._decode_times) / len(self._decode_times)
+
+    def _rejection(self, ttft_s: float, decode: str, tokens: int, now: float) -> str:
+        cfg = self.config
+        if ttft_s > cfg.ttft_slo_s:
+            return pl.REJECT_TTFT
+        if cfg.rejection == "none":
+            return ""
+        predict = self.tbt_model.predict
+        if cfg.rejection == "early":
+            tbts = [
+                tbt_now(s, predict, tokens if d == decode else 0) for d, s in self._decodes.items()
+            ]
+        else:
+            t, td = now + ttft_s, self.decode_time_s()
+            tbts = [
+                tbt_at(s, predict, t, td, tokens if d == decode else 0)
+                for d, s in self._decodes.items()
+            ]
+        return pl.REJECT_TBT if pool_load(tbts, cfg.tbt_slo_s) > 1.0 else ""
+
+    # -- what happened -----------------------------------------------------------------------------
+
+    def on_prefill_done(
+        self,
+        request_id: str,
+        now: float,
+        seconds: float | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
+        where = self._where.get(request_id)
+        if where is None:
+            return
+        if where[0] in self._prefills:
+            self._prefills[where[0]].pop(request_id, now)
+        new, cached = self._prefill_est.pop(request_id, (0, 0))
+        if seconds is not None and new > 0:
+            if cached_tokens is not None:
+                new, cached = new + cached - cached_tokens, cached_tokens
+            self.prefill_model.observe(new, cached, seconds)
+        if where[1] in self._decodes:
+            self._decodes[where[1]].start(request_id, now)
+
+    def on_decode_progress(
+        self, instance_id: str, now: float, batch: float, tokens: float, step_s: float
+    ) -> None:
+        if batch > 0 and step_s > 0 and math.isfinite(step_s):
+            self.tbt_model.observe(batch, tokens, step_s)
+
+    def on_request_finished(
+        self, request_id: str, now: float, output_tokens: int | None = None
+    ) -> None:
+        if output_tokens is not None and output_tokens >= 0:
+            self._output_sum += output_tokens
+            self._output_count += 1
+        where = self._where.pop(request_id, None)
+        self._prefill_est.pop(request_id, None)
+        if where is None:
+            return
+        prefill, decode = where
+        if prefill in self._prefills:
+            self._prefills[prefill].pop(request_id, now)
+        state = self._decodes.get(decode)
+        if state is not None:
+            started = state.running.get(request_id)
+            if started is not None:
+                self._decode_times.append(now - started[1])
+            state.drop(request_id)
+
+    # -- views for tests, metrics and the simulator's plots ---------------------------------------
+
+    def prefill_queue_s(self, instance_id: str, now: float) -> float:
+        return self._prefills[instance_id].queue_s(now)
+
+    def decode_state(self, instance_id: str) -> DecodeState:
+        return self._decodes[instance_id]
+
+    def placed(self) -> int:
+        return len(self._where)
+
+
+def _reject(request_id: str, reason: str, ttft: float = math.inf, tbt: float = math.inf):
+    return pl.Decision(request_id, False, None, None, (), 0, ttft, tbt, reason)

@@ -1,0 +1,601 @@
+"""The engine: tokenizer, model, paged cache, scheduler and sampler, advanced one step at a time.
+
+Not thread-safe: one thread owns it (the embedded LLM, or the loop thread of AsyncLLM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from tqdm import tqdm
+
+from engine import cpu_isa, envs
+from engine.config import EngineConfig
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.metrics import EngineMetrics, MetricsSnapshot, StepTimes
+from engine.core.model_runner import ModelRunner
+from engine.core.prompt_logprobs import fill_prompt_logprobs, rows_wanted
+from engine.core.request import Request
+from engine.core.sampler import Sampler, SamplingBatch, make_generator
+from engine.core.scheduler import QueueFullError, Scheduler
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.stop_conditions import check_stop, safe_text_len
+from engine.kv_connector.base import KVConnector, step_blocks
+from engine.kvcache.block_pool import BlockListener
+from engine.kvcache.kv_cache_manager import KVCacheManager
+from engine.kvcache.paged_cache import PagedKVCache, bytes_per_block, choose_num_blocks
+from engine.model.builder import build_model
+from engine.model.llama import LayerHook
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine")
+
+HANDED_OVER = "handed_over"  # finish reason of a choice that goes on in another engine
+
+ConnectorFactory = Callable[[PagedKVCache, KVConnector | None], KVConnector]
+"""Builds the connector an engine uses from its paged cache (``cache.kv``, ``cache.block_size``)
+and ``inner``, the KV-pool connector the engine built from ``config.kv_pool`` (None without a
+pool), which the connector it returns wraps or replaces (a cluster worker's KV sender/receiver)."""
+
+
+class FirstToken(NamedTuple):
+    """A choice's first token, sampled by another engine that prefilled the prompt (a prefill
+    worker), and the state that continues it here exactly as if this engine had sampled it."""
+
+    token: int
+    logprob: TokenLogprob | None = None
+    sent_text_len: int = 0  # characters of its text the client has seen already
+    generator_state: bytes | None = None  # the seeded generator's state after sampling it
+
+
+@dataclass
+class _Parent:
+    """A user request; n > 1 fans out into n child sequences that share the prompt's KV blocks."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+
+
+def _test_cap(params: SamplingParams) -> SamplingParams:
+    """``params`` with max_tokens (and min_tokens) at most ENGINE_TEST_MAX_TOKENS, a test-only
+    cap (engine/envs.py), applied after validation so that it never changes what is refused."""
+    cap = envs.test_max_tokens()
+    if cap is None or params.max_tokens <= cap:
+        return params
+    return dataclasses.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
+
+
+class LLMEngine:
+    """``connector_factory`` and ``block_listener`` are the engine's two seams, given at
+    construction: the KV connector its scheduler and step loop share (see ConnectorFactory; by
+    default the KV pool's connector from ``config.kv_pool``, or none) and the listener the block
+    pool tells ("stored" | "removed", block hash) as prefix blocks are named and dropped."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        connector_factory: ConnectorFactory | None = None,
+        block_listener: BlockListener | None = None,
+    ) -> None:
+        config = config or EngineConfig()
+        self.config = config
+        cap = envs.test_max_tokens()  # a bad value fails here, at start-up
+        if cap is not None:
+            logger.warning(
+                "ENGINE_TEST_MAX_TOKENS=%d: every request's max_tokens is capped at %d "
+                "(a test-only setting)",
+                cap,
+                cap,
+            )
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        torch.manual_seed(config.seed)
+        built = build_model(
+            config.model,
+            self.dtype,
+            self.device,
+            show_progress=config.show_progress,
+            use_cache=config.weight_cache,
+        )
+        self.model_config = built.config
+        self.tokenizer = built.tokenizer
+        self.model_path = built.path
+        self.weight_cache_hit = built.cache_hit
+        model = self.model = built.model
+        del built
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        cc = config.cache
+        if self.device.type != "cuda":
+            per_token = bytes_per_block(self.model_config, cc.block_size, self.dtype)
+            cc, chosen = cc.sized_for(
+                per_token // cc.block_size, max_len, config.scheduler.max_num_seqs
+            )
+            if chosen:
+                logger.info(chosen)
+        num_blocks = choose_num_blocks(self.model_config, cc, self.dtype, self.device)
+        self.cache = PagedKVCache(
+            self.model_config, num_blocks, cc.block_size, self.dtype, self.device
+        )
+        self.kv = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, listener=block_listener
+        )
+        self.connector: KVConnector | None = None
+        if config.kv_pool:
+            from engine.kv_connector.factory import make_pool_connector
+
+            self.connector = make_pool_connector(
+                config.kv_pool, self.model_config, model, self.cache, self.device
+            )
+        if connector_factory is not None:
+            self.connector = connector_factory(self.cache, self.connector)
+        if max_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_len}) must be <= the model's max_position_embeddings "
+                f"({self.model_config.max_position_embeddings})"
+            )
+        # One request must always fit in the cache by itself, or preemption could not help it.
+        self.max_model_len = min(max_len, num_blocks * cc.block_size)
+        if self.max_model_len < max_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d tokens: the KV cache holds no more "
+                "(raise --kv-cache-memory-gb)",
+                max_len,
+                self.max_model_len,
+            )
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.connector)
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            self.device,
+            quantization=config.quantization,
+            compile=config.resolved_compile(),
+            pack_weights=config.pack_weights,
+        )
+        if self.device.type == "cpu":
+            self._log_cpu()
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics()
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self._parents: dict[str, _Parent] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}
+        self.layer_hook: LayerHook | None = None
+        self.num_steps = 0
+        self.step_times = StepTimes()
+
+    def _log_cpu(self) -> None:
+        """One line on the CPU (engine/cpu_isa.py) and what this engine runs on it; a warning
+        where its 16-bit dtype is not native to the CPU and so runs slower than float32."""
+        isa = cpu_isa.this_cpu()
+        dtype = str(self.dtype).removeprefix("torch.")
+        on = {True: "on", False: "off"}
+        logger.info(
+            "%s; this engine: %s%s, packed bf16 weights %s, C decoder layers %s",
+            isa.describe(),
+            dtype,
+            f" with {self.config.quantization} weights" if self.config.quantization else "",
+            on[bool(self.runner.packed)],
+            on[bool(self.runner.native_decode)],
+        )
+        note = isa.slow_dtype_note(dtype)
+        if note:
+            logger.warning(note)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; changes nothing."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt (length {n}) is longer than the maximum model length of "
+                f"{self.max_model_len} tokens (it must leave room for at least one output token)"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) is too large: the prompt has {n} tokens and "
+                f"the maximum model length is {self.max_model_len}, so max_tokens must be <= "
+                f"{self.max_model_len - n}"
+            )
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Queue a request (text, or token ids with optional prompt_text for the record)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt token ids must be a list of integers")
+            text, ids = prompt_text, list(prompt)
+        self.validate(ids, params)
+        params = _test_cap(params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._parents:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        room = self.scheduler.config.max_waiting - len(self.scheduler.waiting)
+        if params.n > room:  # before building n requests (n = 10**6 took 30 s and GBs)
+            raise QueueFullError(
+                f"n={params.n} choices do not fit the waiting queue ({room} of "
+                f"{self.scheduler.config.max_waiting} places free); retry later"
+            )
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = Request(
+                rid if params.n == 1 else f"{rid}#{i}",
+                ids,
+                params,
+                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                prompt=text,
+                cache_salt=cache_salt,
+                generator=None if seed is None else make_generator(seed, self.device),
+                arrival_time=arrival_time,
+            )
+            if i > 0:
+                child.prompt_logprobs = None  # one child computes them for all (same prompt)
+            children.append(child)
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child)
+        except Exception:
+            for child in added:
+                self.scheduler.finish(child, "abort")
+            raise
+        self._parents[rid] = _Parent(rid, text, ids, children)
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(ids) * params.n
+        return rid
+
+    def add_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        firsts: Sequence[FirstToken],
+    ) -> list[str]:
+        """Join a request whose prompt another engine prefilled and whose choices sampled their
+        first tokens there: each choice goes on from its first token as if sampled here (stop
+        checks, detokenizer, logprobs, the generator's position); its prompt KV comes from the
+        connector (or is recomputed). Returns the ids of the choices that still generate."""
+        if len(firsts) != params.n:
+            raise ValueError(
+                f"firsts must hold one token per choice (n={params.n}), got {len(firsts)}"
+            )
+        rid = self.add_request(prompt_token_ids, params, request_id=request_id)
+        now = time.monotonic()
+        live = []
+        for req, first in zip(self._parents[rid].children, firsts):
+            if first.generator_state is not None and req.generator is not None:
+                state = torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8)
+                req.generator.set_state(state)
+            self._append(req, first.token, first.logprob, now)
+            req.sent_text_len, req.sent_tokens = first.sent_text_len, 1
+            if not req.is_finished:
+                live.append(req.request_id)
+        return live
+
+    def requests_of(self, request_id: str) -> list[Request]:
+        """The engine requests (one per choice) of a request in flight; [] once it ended."""
+        parent = self._parents.get(request_id)
+        return list(parent.children) if parent is not None else []
+
+    def hand_over(self, request_id: str) -> bool:
+        """The choices that sampled their first token go on in another engine: they stop here
+        with finish reason ``handed_over`` (counted as such, not as aborts) and free their
+        blocks. Once every choice ended, the request is gone. False for an unknown id."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return False
+        for child in parent.children:
+            if not child.is_finished and child.num_output_tokens >= 1:
+                self.scheduler.finish(child, HANDED_OVER)
+                self._count_finished(child)
+        if all(c.is_finished for c in parent.children):
+            self._pending.append(self._make_output(parent, final=True))
+            del self._parents[request_id]
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. Unknown or finished ids are a no-op."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return False
+        for child in parent.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, "abort")
+                self._count_finished(child)
+        self._pending.append(self._make_output(parent, final=True))
+        del self._parents[request_id]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._pending)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, and return the outputs of requests that moved."""
+        outputs, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            if self.scheduler.loading and not outputs:
+                self.connector.wait(0.01)  # only loads in flight: do not spin
+            return outputs
+        now = time.monotonic()
+        for s in sched.scheduled:
+            m = s.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                with self.metrics.lock:
+                    self.metrics.queue_time.observe(now - m.arrival_time)
+        inputs = self.runner.prepare(sched.scheduled, self.kv.block_tables)
+        t1 = time.perf_counter()
+        wanted = rows_wanted(inputs.order, [s.num_tokens for s in inputs.order])
+        if wanted:
+            step = self.runner.execute_with_hidden(inputs, self._layer_hook(inputs))
+            logits = step.logits
+            fill_prompt_logprobs(wanted, step.hidden, self.model.compute_logits, self._token_text)
+            del step
+        else:
+            logits = self.runner.execute(inputs, self._layer_hook(inputs))
+        t2 = time.perf_counter()
+        sampling = [s.request for s in inputs.order if s.samples]
+        batch = SamplingBatch.build(
+            [r.params for r in sampling],
+            [r.generator for r in sampling],
+            [r.prompt_token_ids for r in sampling],
+            [r.output_token_ids for r in sampling],
+            self.model_config.vocab_size,
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+        )
+        sampled = self.sampler(logits, batch)
+        t3 = time.perf_counter()
+        self._account_computed(sched)
+        self.scheduler.update_after_step(sched)
+        if self.connector is not None:
+            self._save_new_blocks(sched)
+        self.num_steps += 1
+        now = time.monotonic()
+        moved: dict[str, _Parent] = {}
+        for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+            self._append(req, token, lp, now)
+            parent = self._parents.get(_parent_id(req))
+            if parent is not None:
+                moved[parent.request_id] = parent
+        for parent in moved.values():
+            done = all(c.is_finished for c in parent.children)
+            outputs.append(self._make_output(parent, final=done))
+            if done:
+                del self._parents[parent.request_id]
+        self.step_times.add(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        return outputs
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)  # bounded by the vocabulary
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def _layer_hook(self, inputs) -> LayerHook | None:
+        """The model's per-layer callback: the user's ``layer_hook`` and, when the connector wants
+        KV layer by layer, its ``save_layer`` over this step's slots."""
+        conn, user = self.connector, self.layer_hook
+        if conn is None or not conn.per_layer:
+            return user
+        step = step_blocks(inputs.order, inputs.meta.slot_mapping.tolist(), self.kv.block_tables)
+
+        def hook(i: int) -> None:
+            conn.save_layer(i, step)
+            if user is not None:
+                user(i)
+
+        return hook
+
+    def _save_new_blocks(self, sched: SchedulerOutput) -> None:
+        """Hand the connector every block that became full and computed in this step."""
+        bs = self.kv.block_size
+        for s in sched.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue  # freed already; a finished request's last block is never full anyway
+            before = (req.num_computed_tokens - s.num_tokens) // bs
+            after = req.num_computed_tokens // bs
+            if after > before:
+                table = self.kv.block_tables[req.request_id]
+                self.connector.save(req, table, self.kv.block_hashes(req), before, after - before)
+
+    def _account_computed(self, sched: SchedulerOutput) -> None:
+        computed = 0
+        for s in sched.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            prompt_part = max(0, min(start + s.num_tokens, req.num_prompt_tokens) - start)
+            req.metrics.num_computed_prompt_tokens += prompt_part
+            computed += prompt_part
+        with self.metrics.lock:
+            self.metrics.computed_prompt_tokens += computed
+
+    def _append(self, req: Request, token: int, lp, now: float) -> None:
+        m = req.metrics
+        with self.metrics.lock:
+            if m.first_token_time is None:
+                m.first_token_time = now
+                self.metrics.ttft.observe(now - m.arrival_time)
+            else:
+                self.metrics.itl.observe(now - m.last_token_time)
+            self.metrics.generation_tokens += 1
+        m.last_token_time = now
+        req.append_token(token)
+        if lp is not None and req.logprobs is not None:
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
+        delta = req.detokenizer.add_tokens([token])
+        stop = check_stop(
+            req.params,
+            token,
+            req.num_output_tokens,
+            self.eos_token_ids,
+            req.detokenizer.text,
+            len(delta),
+        )
+        if stop.truncate_to is not None:
+            req.text_limit = stop.truncate_to
+        elif stop.finished:
+            req.detokenizer.flush()  # an incomplete character at the very end
+        if stop.finished:
+            self.scheduler.finish(req, stop.finish_reason, stop.stop_reason)
+            self._count_finished(req)
+
+    def _count_finished(self, req: Request) -> None:
+        now = time.monotonic()
+        req.metrics.finished_time = now
+        with self.metrics.lock:
+            self.metrics.finished[req.finish_reason] = (
+                self.metrics.finished.get(req.finish_reason, 0) + 1
+            )
+            self.metrics.e2e.observe(now - req.metrics.arrival_time)
+
+    def _make_output(self, parent: _Parent, final: bool) -> RequestOutput:
+        outs = []
+        for i, req in enumerate(parent.children):
+            text = req.detokenizer.text[: req.text_limit]
+            # Hold back a tail that might be the start of a stop string until we know.
+            visible = len(text) if req.is_finished else safe_text_len(text, req.params.stop)
+            visible = max(visible, req.sent_text_len)
+            new_text = text[req.sent_text_len : visible]
+            new_ids = req.output_token_ids[req.sent_tokens :]
+            new_lps = req.logprobs[req.sent_tokens :] if req.logprobs is not None else None
+            req.sent_text_len, req.sent_tokens = visible, req.num_output_tokens
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text[:visible],
+                    token_ids=list(req.output_token_ids),
+                    logprobs=req.logprobs,
+                    cumulative_logprob=req.cumulative_logprob,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                    new_text=new_text,
+                    new_token_ids=new_ids,
+                    new_logprobs=new_lps,
+                )
+            )
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outs,
+            finished=final,
+            metrics=parent.children[0].metrics,
+            prompt_logprobs=parent.children[0].prompt_logprobs,
+        )
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """float32 logits at every position of ``token_ids`` [T, V], computed through the paged
+        cache in chunks of ``chunk_size`` tokens (all at once by default). For tests and prompt
+        logprobs; runs outside the scheduler, so call it only while the engine is idle."""
+        self.validate(token_ids, SamplingParams(max_tokens=1))
+        req = Request(f"logits-{next(self._ids)}", token_ids, SamplingParams(), None)
+        chunk = chunk_size or len(token_ids)
+        parts = []
+        try:
+            while req.num_computed_tokens < len(token_ids):
+                n = min(chunk, len(token_ids) - req.num_computed_tokens)
+                if not self.kv.allocate(req, n):
+                    raise MemoryError("not enough free KV blocks for prompt_logits")
+                step = [ScheduledRequest(req, n)]
+                inputs = self.runner.prepare(step, self.kv.block_tables)
+                parts.append(self.runner.execute(inputs, all_logits=True))
+                req.num_computed_tokens += n
+        finally:
+            self.kv.free(req)
+        return torch.cat(parts)
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        m = self.metrics
+        with m.lock:
+            return MetricsSnapshot(
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_usage=self.kv.usage(),
+                num_blocks=self.kv.num_blocks,
+                prefix_queries=self.kv.prefix_queries,
+                prefix_hits=self.kv.prefix_hits,
+                preemptions=self.scheduler.num_preemptions,
+                prompt_tokens=m.prompt_tokens,
+                generation_tokens=m.generation_tokens,
+                computed_prompt_tokens=m.computed_prompt_tokens,
+                finished=dict(m.finished),
+                rejected=m.rejected,
+                ttft=m.ttft.cumulative(),
+                ttft_sum=m.ttft.total,
+                itl=m.itl.cumulative(),
+                itl_sum=m.itl.total,
+                e2e=m.e2e.cumulative(),
+                e2e_sum=m.e2e.total,
+                queue_time=m.queue_time.cumulative(),
+                queue_time_sum=m.queue_time.total,
+                kv_pool=self.connector.stats() if self.connector is not None else {},
+            )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the device cache's unreferenced prefix blocks (those of running requests stay);
+        returns how many. The KV pool is left alone."""
+        return self.kv.pool.evict_all_cached()
+
+    def close(self) -> None:
+        """Release the KV connector's threads, shared memory and sockets. Idempotent."""
+        if self.connector is not None:
+            self.connector.close()
+
+    def run_until_done(self, show_progress: bool = False, total: int | None = None):
+        """Step until every request finished; yields each step's outputs."""
+        bar = tqdm(total=total, disable=not show_progress, desc="generate", unit="req")
+        try:
+            while self.has_unfinished_requests():
+                outs = self.step()
+                bar.update(sum(1 for o in outs if o.finished))
+                yield outs
+        finally:
+            bar.close()
+
+
+def _parent_id(req: Request) -> str:
+    rid = req.request_id
+    return rid.rsplit("#", 1)[0] if req.params.n > 1 else rid

@@ -1,0 +1,31 @@
+"""What the scheduler decides for one step: the requests to run and how many tokens each, and
+the requests it preempted. The step loop, the model runner and a KV connector's per-layer saver
+read it; it sits apart from the scheduler so that they need not import the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens to run this step, from request.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the request's tokens, so it yields a token."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled

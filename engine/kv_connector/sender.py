@@ -1,0 +1,325 @@
+"""The prefill worker's side of the KV transfer: layer-wise streaming through the connector seam.
+
+``per_layer`` is set, so the engine calls ``save_layer(i, step)`` from the model's layer hook
+right after layer i wrote this step's KV. For every request being sent, the layer's new prompt
+tokens (and, on the first chunk, any prefix the prefill worker found cached) leave at once:
+
+- ``shm``: gathered from the paged cache straight into the decode worker's staging area (a
+  mapped /dev/shm file) and hashed while the bytes are in the CPU cache; the sender thread
+  sends a descriptor.
+- ``tcp``: gathered into a reused buffer and hashed the same way; the sender thread sends it
+  as two raw ZeroMQ frames (K rows, V rows) without a copy, and ZeroMQ's IO thread writes them
+  while layer i+1 computes.
+
+Either way layer i is on its way while layer i+1 computes. ``finish`` queues ``KVDone`` (the
+first tokens and the sampler state) behind the request's last layer on the same socket, so the
+decode worker sees it after every layer. Sends never block the step loop: a decode worker that
+stops reading makes sends fail at their deadline (its own deadline then applies the failure
+policy). Loads and block saves go to ``inner`` (the KV pool), when there is one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from engine.cluster import messages as m
+from engine.ipc import curve
+from engine.kv_connector import faults
+from engine.kv_connector.base import KVConnector, LoadDone, StepBlocks, WrapsPool
+from engine.kv_connector.staging import KVLayout, PeerArenas, checksum, gather_tokens
+
+log = logging.getLogger(__name__)
+
+SEND_HWM = 64  # messages queued per decode worker in ZeroMQ before sends wait
+POOL_BYTES = 256 << 20  # TCP send buffers kept for reuse (fresh ones cost page faults)
+
+
+@dataclass
+class SendTarget:
+    request_id: str
+    follow: str  # the engine request whose KV is sent (the first choice when n > 1)
+    kv_address: str
+    transport: str  # "shm" | "tcp"
+    shm_path: str
+    offset: int
+    layout: KVLayout
+    stream_layers: bool = True
+    peer_address: str = ""  # mooncake: the decode worker's Transfer Engine and arena base
+    peer_base: int = 0
+    sent: list[int] = field(default_factory=list)  # per layer: tokens sent so far
+    failed: bool = False
+    last_layer_time: float = 0.0  # monotonic time the last layer of the last chunk left
+
+
+class _Done:
+    done = True  # a buffer copied out already (Mooncake's bounce buffer)
+
+
+_DONE = _Done()
+
+
+class KVSender(WrapsPool):
+    per_layer = True
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        inner: KVConnector | None = None,
+        send_timeout: float = 30.0,
+        max_queue: int = 1024,
+        mooncake=None,
+    ) -> None:
+        self.kv = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self.block_size = block_size
+        self.inner = inner
+        self.mooncake = mooncake  # a MooncakeEndpoint, for --kv-transport mooncake
+        self.send_timeout = send_timeout
+        layers, _, blocks, bs, heads, dim = kv_cache.shape
+        self.num_layers = layers
+        self.token_bytes = heads * dim * kv_cache.element_size()
+        self._targets: dict[str, SendTarget] = {}  # by request id
+        self._following: dict[str, SendTarget] = {}  # by followed engine request id
+        self._peers = PeerArenas()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        # TCP send buffers: reused once ZeroMQ is done with them (its tracker says so).
+        self._returns: deque = deque()  # (tracker, buffer), appended by the sender thread
+        self._pool: dict[int, list[torch.Tensor]] = {}
+        self._pool_bytes = 0
+        self.counters = {"layers_sent": 0, "bytes_sent": 0, "failed_transfers": 0}
+        self.faults = faults.from_env()  # chaos tests only (ENGINE_FAULT_KV)
+        self._thread = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    # -- the worker's calls (engine thread) ----------------------------------------------------
+
+    def add(self, target: SendTarget) -> None:
+        target.sent = [0] * self.num_layers
+        self._targets[target.request_id] = target
+        self._following[target.follow] = target
+
+    def finish(self, request_id: str, done: m.KVDone) -> float | None:
+        """Every choice has its first token: send what is left and then ``done``. Returns the
+        time the last layer left the step loop (for the exposed-transfer measurement)."""
+        t = self._targets.pop(request_id, None)
+        if t is None:
+            return None
+        self._following.pop(t.follow, None)
+        if not t.stream_layers:  # streaming off: every layer now (benchmarks)
+            t.stream_layers = True
+            self._send_all_layers(t, t.pending_table)  # type: ignore[attr-defined]
+        self._put(t, ("msg", t, m.encode(done)))
+        return t.last_layer_time
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        t = self._targets.pop(request_id, None)
+        if t is not None:
+            self._following.pop(t.follow, None)
+            self._put(t, ("msg", t, m.encode(m.KVAbort(request_id, reason))))
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self._targets)
+
+    # -- the seam ---------------------------------------------------------------------------
+
+    def save_layer(self, layer: int, step: Sequence[StepBlocks]) -> None:
+        if self.inner is not None and self.inner.per_layer:
+            self.inner.save_layer(layer, step)
+        for s in step:
+            t = self._following.get(s.request.request_id)
+            if t is None or t.failed:
+                continue
+            upto = min(s.request.num_computed_tokens + len(s.slots), t.layout.num_tokens)
+            if not t.stream_layers:
+                t.pending_table = s.block_table  # type: ignore[attr-defined]
+                continue
+            if layer == self.num_layers - 1 and upto == t.layout.num_tokens:
+                t.last_layer_time = time.monotonic()  # the prefill's last layer just ended
+            self._send_range(t, layer, s.block_table, upto)
+
+    def _send_all_layers(self, t: SendTarget, table: Sequence[int]) -> None:
+        for layer in range(self.num_layers):
+            self._send_range(t, layer, table, t.layout.num_tokens)
+        t.last_layer_time = time.monotonic()
+
+    @torch.inference_mode()  # as in the forward: pooled buffers are inference tensors
+    def _send_range(self, t: SendTarget, layer: int, table: Sequence[int], upto: int) -> None:
+        start = t.sent[layer]
+        if upto <= start:
+            return
+        table_t = torch.tensor(table, dtype=torch.long, device=self.kv.device)
+        layer_kv = self.kv[layer]  # [2, blocks, block_size, heads, dim]
+        n = upto - start
+        row = layer_kv.shape[3:]
+        if t.transport == "shm":
+            try:
+                arena = self._peers.get(t.shm_path)
+            except (OSError, ValueError) as exc:
+                self._fail(t, f"cannot map the decode worker's staging area: {exc}")
+                return
+            if not 0 <= t.offset <= arena.numel() - t.layout.nbytes:  # a message says where
+                self._fail(t, f"staging area [{t.offset}, +{t.layout.nbytes}) is outside the arena")
+                return
+            views = []
+            for kv in (0, 1):
+                off, length = t.layout.run(layer, kv, start, upto)
+                dst = arena[t.offset + off : t.offset + off + length].view(self.kv.dtype)
+                dst = dst.view(n, *row)
+                gather_tokens(layer_kv[kv], table_t, start, upto, dst)
+                views.append(dst)
+            item = ("layer", t, layer, start, upto, views, self._hot_hash(views))
+        else:
+            buf = self._buffer((2, n, *row))
+            for kv in (0, 1):
+                gather_tokens(layer_kv[kv], table_t, start, upto, buf[kv])
+            item = ("layer", t, layer, start, upto, [buf], self._hot_hash([buf]))
+        t.sent[layer] = upto
+        self._put(t, item)
+
+    @staticmethod
+    def _hot_hash(bufs) -> int:
+        """The layer's checksum, taken right after the gather wrote it: the bytes are still in
+        the CPU cache (hashing them later on the sender thread reads them from memory again)."""
+        return checksum(*(b.reshape(-1).view(torch.uint8).numpy() for b in bufs))  # bf16 too
+
+    def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        while self._returns and self._returns[0][0].done:
+            _, buf = self._returns.popleft()
+            nbytes = buf.numel() * buf.element_size()
+            if self._pool_bytes + nbytes <= POOL_BYTES:
+                self._pool.setdefault(buf.numel(), []).append(buf)
+                self._pool_bytes += nbytes
+        numel = 1
+        for d in shape:
+            numel *= d
+        free = self._pool.get(numel)
+        if free:
+            buf = free.pop()
+            self._pool_bytes -= buf.numel() * buf.element_size()
+            return buf.view(shape)
+        return torch.empty(shape, dtype=self.kv.dtype, device="cpu")
+
+    def _put(self, t: SendTarget, item) -> None:
+        try:
+            self._queue.put(item, timeout=self.send_timeout)
+        except queue.Full:
+            self._fail(t, "the KV send queue stayed full")
+
+    def _fail(self, t: SendTarget, reason: str) -> None:
+        if not t.failed:
+            t.failed = True
+            self.counters["failed_transfers"] += 1
+            log.warning("KV transfer of %s failed: %s", t.request_id, reason)
+
+    def lookup(self, req, block_hashes, num_device_tokens: int) -> int:
+        return self.inner.lookup(req, block_hashes, num_device_tokens) if self.inner else 0
+
+    def start_load(self, req, block_table, start_token: int, num_tokens: int) -> None:
+        assert self.inner is not None
+        self.inner.start_load(req, block_table, start_token, num_tokens)
+
+    def finished_loads(self) -> list[LoadDone]:
+        return self.inner.finished_loads() if self.inner else []
+
+    def request_finished(self, req) -> None:
+        if self.inner is not None:
+            self.inner.request_finished(req)
+
+    def close(self) -> None:
+        try:
+            self._queue.put(None, timeout=1.0)
+        except queue.Full:
+            pass
+        self._thread.join(timeout=5.0)
+        self._peers.close()
+        if self.inner is not None:
+            self.inner.close()
+
+    # -- the sender thread ------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        ctx = zmq.Context.instance()
+        socks: dict[str, zmq.Socket] = {}
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                t = item[1]
+                if t.failed:
+                    continue
+                if item[0] == "layer":
+                    _, t, layer, start, end, bufs, crc = item
+                    parts = [b.reshape(-1).view(torch.uint8).numpy() for b in bufs]
+                    header = m.KVLayer(t.request_id, layer, start, end, crc, t.transport == "tcp")
+                    if self.faults is not None and (header := self.faults.layer(header)) is None:
+                        continue
+                    if t.transport == "mooncake" and not self._write_remote(t, header, bufs[0]):
+                        self._fail(t, f"Mooncake write to {t.peer_address} failed")
+                        continue
+                    frames = m.encode(header)
+                    if header.inline:  # K rows, V rows: the receiver reads each into place
+                        half = parts[0].nbytes // 2
+                        frames += [parts[0][:half], parts[0][half:]]
+                    nbytes = sum(p.nbytes for p in parts)
+                else:
+                    frames, nbytes = item[2], 0
+                sock = socks.get(t.kv_address)
+                if sock is None:
+                    sock = ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    curve.secure_client(sock)
+                    try:
+                        sock.connect(t.kv_address)
+                    except zmq.ZMQError as exc:  # a bad address fails its transfer only
+                        sock.close(linger=0)
+                        self._fail(t, f"cannot connect to {t.kv_address!r}: {exc}")
+                        continue
+                    socks[t.kv_address] = sock
+                tracker = self._send(sock, frames)
+                if tracker is None:
+                    self._fail(t, f"{t.kv_address} took nothing for {self.send_timeout:.0f} s")
+                    continue
+                if item[0] == "layer" and t.transport != "shm":  # its buffer can be reused
+                    self._returns.append((tracker if t.transport == "tcp" else _DONE, item[5][0]))
+                if item[0] == "layer":
+                    self.counters["layers_sent"] += 1
+                    self.counters["bytes_sent"] += nbytes
+        finally:
+            for s in socks.values():
+                s.close(linger=0)
+
+    def _write_remote(self, t: SendTarget, h: m.KVLayer, buf: torch.Tensor) -> bool:
+        """buf [2, n, heads, dim]: its K and V rows into the decode worker's staging area."""
+        if self.mooncake is None:
+            return False
+        for kv in (0, 1):
+            off, length = t.layout.run(h.layer, kv, h.start, h.end)
+            if not self.mooncake.write(
+                t.peer_address, buf[kv], t.peer_base + t.offset + off, 64 << 20
+            ):
+                return False
+        return True
+
+    def _send(self, sock: zmq.Socket, frames: list):
+        """The send's tracker (done once ZeroMQ let go of the buffers), or None at the deadline."""
+        deadline = time.monotonic() + self.send_timeout
+        while True:
+            try:
+                return sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
+            except zmq.Again:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                sock.poll(min(100, int(left * 1000) + 1), zmq.POLLOUT)

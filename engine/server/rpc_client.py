@@ -1,0 +1,469 @@
+"""Python clients for the ZeroMQ RPC server (``engine rpc``): ``RPCClient`` (blocking) and
+``AsyncRPCClient`` (asyncio). Both talk msgpack over a DEALER socket, never pickle, and put a
+deadline on every wait.
+
+Wire protocol: every message is one msgpack map in one frame. A request carries ``id`` (a call
+id the client picks, echoed in every reply) and ``op``:
+
+- ``generate`` / ``stream``: ``prompt`` (text or token ids), ``params`` (SamplingParams fields),
+  optional ``request_id``, ``cache_salt``, ``timeout`` (seconds; the server aborts after it).
+  ``generate`` answers one ``result``; ``stream`` answers ``chunk`` messages (deltas) and then
+  one ``done`` with the usage.
+- ``abort`` (``request_id``; only the caller's own requests), ``health``, ``metrics``: one
+  ``ok`` reply.
+
+Any failure is one ``error`` reply, ``{"error": {"message", "type", "param", "code"}}`` with
+HTTP-like codes (400 bad input, 429 overloaded, 503 shutting down, 408 deadline passed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from engine.ipc import curve
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+DEFAULT_TIMEOUT_S = 120.0
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server answers larger requests with a 413
+MAX_BUFFERED = 10_000  # replies held for one call before the call fails (a consumer too slow)
+OPS = ("generate", "stream", "abort", "health", "metrics")
+
+
+# -- results -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """One choice: cumulative in a GenerateResult, a delta in a StreamDelta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    outputs: list[Completion]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    outputs: list[Completion]  # the choices that moved this step
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.outputs if c.index == 0)
+
+
+class RPCError(RuntimeError):
+    def __init__(self, message: str, code: int = 500, type: str = "", param: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.type, self.param = message, code, type, param
+
+    @classmethod
+    def from_reply(cls, reply: dict) -> RPCError:
+        err = reply.get("error") or {}
+        code = err.get("code", 500)
+        kind = RPCTimeoutError if code == 408 else cls
+        return kind(str(err.get("message")), code, str(err.get("type")), err.get("param"))
+
+
+class RPCTimeoutError(RPCError, TimeoutError):
+    pass
+
+
+# -- encoding ------------------------------------------------------------------------------------
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=True)
+
+
+def params_dict(params=None, **kwargs) -> dict:
+    """SamplingParams (or a dict) plus keyword overrides, as plain msgpack-able values."""
+    out: dict = {}
+    if params is not None:
+        if dataclasses.is_dataclass(params):
+            out = {
+                f.name: getattr(params, f.name)
+                for f in dataclasses.fields(params)
+                if f.name != "extra"
+            }
+        else:
+            out = dict(params)
+    out.update(kwargs)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def _completion(d: dict) -> Completion:
+    lps = d.get("logprobs")
+    return Completion(
+        index=d["index"],
+        text=d["text"],
+        token_ids=list(d["token_ids"]),
+        finish_reason=d.get("finish_reason"),
+        stop_reason=d.get("stop_reason"),
+        logprobs=None
+        if lps is None
+        else [TokenLogprob(t, v, [tuple(x) for x in top]) for t, v, top in lps],
+    )
+
+
+def _result(reply: dict) -> GenerateResult:
+    u = reply.get("usage") or {}
+    return GenerateResult(
+        reply["request_id"],
+        [_completion(c) for c in reply["outputs"]],
+        Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0), u.get("cached_tokens", 0)),
+    )
+
+
+def _pack_request(msg: dict) -> bytes:
+    data = pack(msg)
+    if len(data) > MAX_MESSAGE_BYTES:  # fail here rather than wait for the server's 413
+        raise RPCError(
+            f"a request must be at most {MAX_MESSAGE_BYTES} bytes, got {len(data)}",
+            413,
+            "RequestTooLargeError",
+        )
+    return data
+
+
+def _unreachable(address: str) -> RPCError:
+    # The socket's send queue is full: the server has not been taking messages for a while.
+    return RPCError(f"cannot send to {address}: the server is not taking requests", 503)
+
+
+def _overflow_reply() -> dict:
+    message = f"more than {MAX_BUFFERED} replies were buffered for one call; it was dropped"
+    return {"type": "error", "error": {"message": message, "type": "OverflowError", "code": 500}}
+
+
+def _request(op: str, call_id: int, prompt, params, request_id, cache_salt, timeout) -> dict:
+    msg = {
+        "id": call_id,
+        "op": op,
+        "prompt": prompt,
+        "params": params,
+        "request_id": request_id or uuid.uuid4().hex,
+        "timeout": timeout,
+    }
+    if cache_salt is not None:
+        msg["cache_salt"] = cache_salt
+    return msg
+
+
+# -- blocking client -------------------------------------------------------------------------------
+
+
+class RPCClient:
+    """Blocking client. Calls from several threads are safe (one lock around the socket); a
+    stream being read interleaves with other calls, replies are routed by call id."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = DEFAULT_TIMEOUT_S):
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        curve.secure_client(self._sock)
+        self._sock.connect(address)
+        self._ids = itertools.count(1)
+        self._inbox: dict[int, deque] = {}
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(linger=0)
+
+    def __enter__(self) -> RPCClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(
+        self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None, **kwargs
+    ) -> GenerateResult:
+        timeout = timeout or self.timeout
+        msg = _request(
+            "generate", 0, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
+        )
+        return _result(self._call(msg, timeout))
+
+    def stream(
+        self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None, **kwargs
+    ) -> Iterator[StreamDelta]:
+        """Yield deltas as they come; closing the iterator early aborts the request."""
+        timeout = timeout or self.timeout
+        msg = _request(
+            "stream", 0, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
+        )
+        call_id, box = self._send(msg)
+        deadline = time.monotonic() + timeout
+        done = False
+        try:
+            while True:
+                reply = self._recv(box, deadline)
+                if reply["type"] == "done":
+                    done = True
+                    return
+                if reply["type"] == "error":
+                    done = True
+                    raise RPCError.from_reply(reply)
+                yield StreamDelta(reply["request_id"], [_completion(c) for c in reply["outputs"]])
+        finally:
+            self._inbox.pop(call_id, None)
+            if not done:
+                self._fire({"op": "abort", "request_id": msg["request_id"]})
+
+    def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        return bool(self._call({"op": "abort", "request_id": request_id}, timeout)["aborted"])
+
+    def health(self, timeout: float | None = None) -> dict:
+        reply = self._call({"op": "health"}, timeout)
+        return {k: v for k, v in reply.items() if k not in ("id", "type")}
+
+    def metrics(self, timeout: float | None = None) -> dict:
+        return self._call({"op": "metrics"}, timeout)["metrics"]
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _send(self, msg: dict) -> tuple[int, deque]:
+        with self._lock:
+            call_id = next(self._ids)
+            msg["id"] = call_id
+            box: deque = deque()
+            try:
+                self._sock.send(_pack_request(msg), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                raise _unreachable(self.address) from None
+            self._inbox[call_id] = box
+        return call_id, box
+
+    def _fire(self, msg: dict) -> None:
+        """Send without waiting for the reply (best effort: aborts on the way out)."""
+        with self._lock:
+            msg["id"] = next(self._ids)
+            try:
+                self._sock.send(pack(msg), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _call(self, msg: dict, timeout: float | None) -> dict:
+        call_id, box = self._send(msg)
+        try:
+            reply = self._recv(box, time.monotonic() + (timeout or self.timeout))
+        finally:
+            self._inbox.pop(call_id, None)
+        if reply["type"] == "error":
+            raise RPCError.from_reply(reply)
+        return reply
+
+    def _recv(self, box: deque, deadline: float) -> dict:
+        while True:
+            if box:
+                return box.popleft()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RPCTimeoutError(f"no reply from {self.address} before the deadline", 408)
+            with self._lock:
+                if box:
+                    continue
+                if not self._sock.poll(min(remaining, 0.05) * 1000, zmq.POLLIN):
+                    continue
+                data = self._sock.recv()
+            try:
+                reply = unpack(data)
+            except Exception:
+                continue  # not a reply we can read; the waiting call times out
+            call = reply.get("id") if isinstance(reply, dict) else None
+            target = self._inbox.get(call)
+            if target is None:
+                continue  # a call that was given up on, or not a reply
+            if len(target) >= MAX_BUFFERED:  # its reader is too slow: fail that call
+                target.clear()
+                target.append(_overflow_reply())
+                self._inbox.pop(call, None)
+                continue
+            target.append(reply)
+
+
+# -- asyncio client ----------------------------------------------------------------------------
+
+
+class AsyncRPCClient:
+    """asyncio client: one reader task routes replies to per-call bounded queues."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = DEFAULT_TIMEOUT_S):
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        curve.secure_client(self._sock)
+        self._sock.connect(address)
+        self._ids = itertools.count(1)
+        self._inbox: dict[int, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._sock.close(linger=0)
+
+    async def __aenter__(self) -> AsyncRPCClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def generate(
+        self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None, **kwargs
+    ) -> GenerateResult:
+        timeout = timeout or self.timeout
+        msg = _request(
+            "generate", 0, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
+        )
+        return _result(await self._call(msg, timeout))
+
+    async def stream(
+        self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None, **kwargs
+    ) -> AsyncIterator[StreamDelta]:
+        timeout = timeout or self.timeout
+        msg = _request(
+            "stream", 0, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
+        )
+        call_id, queue = await self._send(msg)
+        deadline = time.monotonic() + timeout
+        done = False
+        try:
+            while True:
+                reply = await self._recv(queue, deadline)
+                if reply["type"] == "done":
+                    done = True
+                    return
+                if reply["type"] == "error":
+                    done = True
+                    raise RPCError.from_reply(reply)
+                yield StreamDelta(reply["request_id"], [_completion(c) for c in reply["outputs"]])
+        finally:
+            self._inbox.pop(call_id, None)
+            if not done:
+                await self._fire({"op": "abort", "request_id": msg["request_id"]})
+
+    async def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        reply = await self._call({"op": "abort", "request_id": request_id}, timeout)
+        return bool(reply["aborted"])
+
+    async def health(self, timeout: float | None = None) -> dict:
+        reply = await self._call({"op": "health"}, timeout)
+        return {k: v for k, v in reply.items() if k not in ("id", "type")}
+
+    async def metrics(self, timeout: float | None = None) -> dict:
+        return (await self._call({"op": "metrics"}, timeout))["metrics"]
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    async def _send(self, msg: dict) -> tuple[int, asyncio.Queue]:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.ensure_future(self._read())
+        call_id = next(self._ids)
+        msg["id"] = call_id
+        queue: asyncio.Queue = asyncio.Queue(MAX_BUFFERED)
+        try:
+            await self._sock.send(_pack_request(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise _unreachable(self.address) from None
+        self._inbox[call_id] = queue
+        return call_id, queue
+
+    async def _fire(self, msg: dict) -> None:
+        msg["id"] = next(self._ids)
+        try:
+            await self._sock.send(pack(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    async def _call(self, msg: dict, timeout: float | None) -> dict:
+        call_id, queue = await self._send(msg)
+        try:
+            reply = await self._recv(queue, time.monotonic() + (timeout or self.timeout))
+        finally:
+            self._inbox.pop(call_id, None)
+        if reply["type"] == "error":
+            raise RPCError.from_reply(reply)
+        return reply
+
+    async def _recv(self, queue: asyncio.Queue, deadline: float) -> dict:
+        remaining = deadline - time.monotonic()
+        try:
+            reply = await asyncio.wait_for(queue.get(), max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            raise RPCTimeoutError(
+                f"no reply from {self.address} before the deadline", 408
+            ) from None
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    async def _read(self) -> None:
+        while True:
+            data = await self._sock.recv()
+            try:
+                reply = unpack(data)
+            except Exception:
+                continue  # not ours to crash on; the waiting call times out
+            call = reply.get("id") if isinstance(reply, dict) else None
+            queue = self._inbox.get(call)
+            if queue is None:
+                continue
+            try:
+                queue.put_nowait(reply)
+            except asyncio.QueueFull:  # its reader is too slow: fail that call
+                self._inbox.pop(call, None)
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(_overflow_reply())

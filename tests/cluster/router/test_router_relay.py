@@ -1,0 +1,96 @@
+"""What the router tells a decode worker for the case that its KV never all arrives: the first
+tokens it relayed to the client (FirstTokens), and, when the prefill worker dies after them,
+that the KV's source is gone (SourceGone), so a transfer across hosts fails at once instead of
+waiting out its deadline. Scripted workers: real ZeroMQ sockets driven from this thread, on
+two "hosts"; no model runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import zmq
+
+from engine.cluster import messages as m
+from engine.cluster.router.router import Router, RouterConfig
+from engine.sampling_params import SamplingParams
+
+
+class Scripted:
+    def __init__(self, router: Router, wid: str, role: str) -> None:
+        self.wid = wid
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(router.address)
+        self.send(m.Register(wid, role, os.getpid(), "default", 1024, "", "", "tcp", f"h-{wid}"))
+        self.alive = True
+        self.inbox: list[m.Message] = []
+
+    def send(self, msg: m.Message) -> None:
+        self.sock.send_multipart(m.encode(msg))
+
+    def pump(self) -> None:
+        if self.alive:
+            self.send(m.Heartbeat(self.wid, "up", 0, 0, 0.0, 0, 0, 0))
+        while self.sock.poll(0):
+            self.inbox.append(m.decode(self.sock.recv_multipart()))
+
+    def first(self, kind: type[m.Message]):
+        return next((x for x in self.inbox if isinstance(x, kind)), None)
+
+
+def pump_until(workers, cond, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        for w in workers:
+            w.pump()
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.03)
+
+
+def test_decode_worker_gets_the_first_tokens_and_hears_of_the_prefill_workers_death():
+    router = Router(RouterConfig(heartbeat_timeout_s=1.0))
+    p, d = Scripted(router, "p0", "prefill"), Scripted(router, "d0", "decode")
+    outputs: list = []
+
+    def client():
+        async def run():
+            params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+            async for out in router.generate([11, 12, 13, 14], params, request_id="r"):
+                outputs.append(out)
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=client, daemon=True)
+    try:
+        pump_until([p, d], lambda: len(router.workers) == 2, "registration")
+        thread.start()
+        req = pump_until([p, d], lambda: d.first(m.DecodeRequest), "the DecodeRequest")
+        d.send(m.DecodeReady(req.request_id, 0, 4096))
+        pre = pump_until([p, d], lambda: p.first(m.PrefillRequest), "the PrefillRequest")
+        assert pre.request_id == req.request_id
+        first = {"index": 0, "offset": 0, "token_ids": [42], "logprobs": None, "text_offset": 0,
+                 "text": "x", "finish_reason": None, "stop_reason": None}  # fmt: skip
+        p.send(m.Outputs(req.request_id, "p0", [first]))
+        relayed = pump_until([p, d], lambda: d.first(m.FirstTokens), "FirstTokens")
+        assert relayed.request_id == req.request_id and relayed.outputs == [first]
+        assert d.first(m.SourceGone) is None
+        p.alive = False  # SIGKILLed: its heartbeats stop
+        gone = pump_until([p, d], lambda: d.first(m.SourceGone), "SourceGone")
+        assert (gone.request_id, gone.worker_id) == (req.request_id, "p0")
+        assert not d.first(m.Abort)  # the decode worker carries the request on
+        rest = {"index": 0, "offset": 1, "token_ids": [7, 8, 9], "logprobs": None, "text_offset": 1,
+                "text": "yzw", "finish_reason": "length", "stop_reason": None}  # fmt: skip
+        d.send(m.Outputs(req.request_id, "d0", [rest]))
+        pump_until([p, d], lambda: outputs and outputs[-1].finished, "the end of the request")
+        assert outputs[-1].outputs[0].token_ids == [42, 7, 8, 9]
+    finally:
+        thread.join(10)
+        router.close()
+        for w in (p, d):
+            w.sock.close(linger=0)
