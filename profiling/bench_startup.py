@@ -95,7 +95,8 @@ def _run_stages(serve_args: list[str]) -> None:
     t = mark("import torch", t)
     import engine.cli.serve as commands
     from engine.cli.main import main  # noqa: F401  (what `python -m engine` imports)
-    from engine.server.http_server import bind_socket, build_app, uvicorn_config
+    from engine.server.http_server import build_app
+    from engine.server.uvicorn_server import bind_socket, uvicorn_config
 
     t = mark("other imports", t)
     import engine.core.llm_engine as llm_engine

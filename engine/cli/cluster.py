@@ -156,7 +156,7 @@ def _serve(router, args: argparse.Namespace) -> int:
 
         rpc = RPCServer(router, args.rpc_address, model_name=names[0], shutdown_engine=False)
         threading.Thread(target=lambda: asyncio.run(rpc.serve()), daemon=True).start()
-    from engine.server.http_server import serve_http
+    from engine.server.uvicorn_server import serve_http
 
     print(f"Cluster serving {names[0]} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     return serve_http(

@@ -129,7 +129,7 @@ def connections_per_client(max_connections: int, max_pending_per_client: int | N
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine import envs
     from engine.server.http_limits import HTTPLimits
-    from engine.server.http_server import bind_socket, serve_http
+    from engine.server.uvicorn_server import bind_socket, serve_http
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

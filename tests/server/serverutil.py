@@ -17,7 +17,7 @@ class HTTPServer:
     """uvicorn on a free port in a background thread."""
 
     def __init__(self, app, limits=None) -> None:
-        from engine.server.http_server import uvicorn_config
+        from engine.server.uvicorn_server import uvicorn_config
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,4 +1,4 @@
-"""Request preparation off the event loop (offload.py): a long prompt is tokenized on a worker
+"""Request preparation off the event loop (tokenize_pool.py): a long prompt is tokenized on a worker
 thread while the server keeps answering, and a prompt whose length in characters alone proves
 it too long for the context is refused before it is tokenized."""
 

@@ -1,4 +1,4 @@
-"""The per-client cap on generation requests in flight (client_cap.py): a client at its cap gets
+"""The per-client cap on generation requests in flight (inflight_cap.py): a client at its cap gets
 OpenAI's 429 with Retry-After, another address is not affected, /health and the other routes
 are not counted, a finished or abandoned stream gives its place back, and the rejections are
 counted in engine:request_rejected_total{reason="client_cap"}."""
