@@ -97,3 +97,20 @@ def check_dot_shape(m: int, n: int, k: int) -> None:
     accepts any size, so check here that CPU-tested configs also compile on the GPU."""
     if min(m, n, k) < 16:
         raise ValueError(f"internal: tl.dot tile {m}x{n}x{k} has a side < 16")
+
+
+def paged_cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    """The block, slot and head strides of the paged K and V caches ([num_blocks, block_size,
+    Hkv, D], last dim contiguous), in the order every paged kernel takes them."""
+    return (*k_cache.stride()[:3], *v_cache.stride()[:3])
+
+
+def attention_strides(q, k_cache, v_cache, out, block_tables) -> tuple[int, ...]:
+    """The strides the paged attention kernels take, in their order: q's token and head, the
+    caches' (``paged_cache_strides``), out's token and head, and the block table's row."""
+    return (
+        *q.stride()[:2],
+        *paged_cache_strides(k_cache, v_cache),
+        *out.stride()[:2],
+        block_tables.stride(0),
+    )

@@ -11,6 +11,7 @@ from engine.kernels._launch import (
     INDEX_DTYPES,
     check_devices,
     check_tensor,
+    paged_cache_strides,
 )
 
 
@@ -127,12 +128,7 @@ def kv_store_triton(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *paged_cache_strides(k_cache, v_cache),
         HEAD_DIM=head_dim,
         ROW=row,
         BLOCK_SIZE=k_cache.shape[1],
