@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Callable
 from multiprocessing import shared_memory
@@ -27,7 +26,7 @@ from multiprocessing import shared_memory
 from engine.ipc.process_id import remove_orphan_files
 from engine.kvstore.eviction import make_policy
 from engine.kvstore.namespace import KVNamespace
-from engine.kvstore.tier import PutResult, Tier
+from engine.kvstore.tier import LocalTier, PutResult
 
 SHM_PREFIX = "engine-kv-"
 _SHM_DIR = "/dev/shm"
@@ -37,7 +36,7 @@ logger = logging.getLogger(__name__)
 EvictCallback = Callable[[bytes, memoryview], None]
 
 
-class DramTier(Tier):
+class DramTier(LocalTier):
     name = "dram"
 
     def __init__(
@@ -50,7 +49,7 @@ class DramTier(Tier):
     ) -> None:
         self.namespace = namespace
         self.block_bytes = namespace.block_bytes
-        self.num_slots = capacity_bytes // self.block_bytes
+        self.num_slots = self.capacity_blocks = capacity_bytes // self.block_bytes
         if self.num_slots < 1:
             raise ValueError(
                 f"dram capacity {capacity_bytes} bytes holds no block of {self.block_bytes} bytes"
@@ -66,16 +65,12 @@ class DramTier(Tier):
             size=self.num_slots * self.block_bytes,
         )
         self._buf = self._shm.buf
-        self._lock = threading.Lock()
+        super().__init__()
         self._free = list(range(self.num_slots - 1, -1, -1))  # a stack: slot 0 is taken first
         self._index: dict[bytes, int] = {}
         self._reserved: dict[bytes, tuple[int, int]] = {}  # key -> (slot, position)
         self._pins: dict[bytes, int] = {}
         self._doomed: dict[bytes, int] = {}
-        self._counters = dict.fromkeys(
-            ("hits", "misses", "bytes_read", "bytes_written", "evictions", "failed_reads"), 0
-        )
-        self._counters["failed_writes"] = 0
         self._closed = False
 
     # -- shared-memory addressing, for processes that map the arena ------------------------------
@@ -151,9 +146,6 @@ class DramTier(Tier):
 
     # -- the Tier contract -------------------------------------------------------------------------
 
-    def contains(self, key: bytes) -> bool:
-        return key in self._index
-
     def get_into(self, key: bytes, out: memoryview) -> bool:
         out = memoryview(out).cast("B")
         if out.nbytes != self.block_bytes:
@@ -188,27 +180,8 @@ class DramTier(Tier):
         with self._lock:
             return self._remove(key)
 
-    def clear(self) -> int:
-        with self._lock:
-            keys = list(self._index)
-            for key in keys:
-                self._remove(key)
-            return len(keys)
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {
-                **self._counters,
-                "blocks": len(self._index),
-                "capacity_blocks": self.num_slots,
-                "pinned": len(self._pins),
-                "reserved": len(self._reserved),
-                "block_bytes": self.block_bytes,
-            }
-
-    def keys(self) -> list[bytes]:
-        with self._lock:
-            return list(self._index)
+    def _stats(self) -> dict:
+        return {"pinned": len(self._pins), "reserved": len(self._reserved)}
 
     def close(self) -> None:
         with self._lock:

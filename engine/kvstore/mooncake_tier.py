@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.kvstore import block_record
 from engine.kvstore.namespace import KVNamespace
-from engine.kvstore.tier import PutResult, Tier
+from engine.kvstore.tier import PutResult, Tier, block_views, read_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -159,17 +159,8 @@ class MooncakeTier(Tier):
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> int:
         """Copy the leading blocks of ``keys`` the store holds into ``outs``; how many (a
         prefix). One batch call per ``batch_keys`` keys."""
-        views = [memoryview(o).cast("B") for o in outs]
-        for v in views:
-            if v.nbytes != self.block_bytes:
-                raise ValueError(f"out has {v.nbytes} bytes, a block has {self.block_bytes}")
-        done = 0
-        while done < len(keys):
-            chunk = keys[done : done + self.batch_keys]
-            n = self._get_chunk(chunk, views[done : done + len(chunk)])
-            done += n
-            if n < len(chunk):
-                break
+        views = block_views(outs, self.block_bytes)
+        done = read_prefix(keys, views, self.batch_keys, self._get_chunk)
         with self._lock:
             self._counters["hits"] += done
             self._counters["bytes_read"] += done * self.record_bytes

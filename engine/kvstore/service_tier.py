@@ -1,6 +1,6 @@
 """The pool service as a tier of an engine's block store (``tcp://HOST:PORT`` in ``--kv-pool``).
 
-``PoolClientTier`` speaks pool_protocol.py through a ``PoolConnection`` (pool_connection.py:
+``PoolClientTier`` speaks service/protocol.py through a ``PoolConnection`` (service/connection.py:
 sessions, deadlines, one warning per outage, reconnection). On the service's host blocks move
 through the namespace's shared-memory arena (the socket carries keys and offsets), elsewhere as
 raw records over TCP (``force_tcp`` forces that, for tests and benchmarks); records received over
@@ -26,7 +26,7 @@ from engine.kvstore import block_record
 from engine.kvstore.namespace import KVNamespace
 from engine.kvstore.service import protocol as P
 from engine.kvstore.service.connection import PoolConnection, Session
-from engine.kvstore.tier import PutResult, Tier
+from engine.kvstore.tier import PutResult, Tier, block_views, read_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -110,19 +110,10 @@ class PoolClientTier(Tier):
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> int:
         """Copy the leading blocks of ``keys`` the pool holds into ``outs`` (each exactly
         block_bytes); how many (a prefix)."""
-        views = [memoryview(o).cast("B") for o in outs]
-        for v in views:
-            if v.nbytes != self.block_bytes:
-                raise ValueError(f"out has {v.nbytes} bytes, a block has {self.block_bytes}")
+        views = block_views(outs, self.block_bytes)
         session = self._conn.session()
         batch = self._batch[session is not None and session.arena is not None]
-        done = 0
-        while done < len(keys):
-            chunk = list(keys[done : done + batch])
-            n = self._get_chunk(chunk, views[done : done + len(chunk)])
-            done += n
-            if n < len(chunk):
-                break
+        done = read_prefix(keys, views, batch, self._get_chunk)
         with self._lock:
             self._counters["hits"] += done
             self._counters["bytes_read"] += done * self.block_bytes

@@ -31,14 +31,13 @@ import errno
 import fcntl
 import logging
 import os
-import threading
 import uuid
 from pathlib import Path
 
 from engine.kvstore import block_record
 from engine.kvstore.eviction import make_policy
 from engine.kvstore.namespace import KVNamespace
-from engine.kvstore.tier import PutResult, Tier
+from engine.kvstore.tier import LocalTier, PutResult
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ LOCK_NAME = ".lock"
 MAX_SPARES = 64  # files of removed records kept (under temporary names) for reuse
 
 
-class SsdTier(Tier):
+class SsdTier(LocalTier):
     name = "ssd"
 
     def __init__(
@@ -78,30 +77,14 @@ class SsdTier(Tier):
             raise RuntimeError(
                 f"ssd tier directory {self.dir} is in use by another process"
             ) from None
-        self._lock = threading.Lock()
+        super().__init__("removed_at_start")
         self._policy = make_policy(policy)
         self._index: set[bytes] = set()
         self._writing: dict[bytes, bool] = {}  # key -> cancelled (removed/cleared mid-write)
         self._spares: list[Path] = []  # files of removed records, under temporary names
-        self._counters = dict.fromkeys(
-            (
-                "hits",
-                "misses",
-                "bytes_read",
-                "bytes_written",
-                "evictions",
-                "failed_reads",
-                "failed_writes",
-                "removed_at_start",
-            ),
-            0,
-        )
         self._rebuild()
 
     # -- the Tier contract -------------------------------------------------------------------------
-
-    def contains(self, key: bytes) -> bool:
-        return key in self._index
 
     def get_into(self, key: bytes, out: memoryview) -> bool:
         out = memoryview(out).cast("B")
@@ -184,28 +167,12 @@ class SsdTier(Tier):
                 self._writing[key] = True
             return self._remove(key)
 
-    def clear(self) -> int:
-        with self._lock:
-            for key in self._writing:
-                self._writing[key] = True
-            keys = list(self._index)
-            for key in keys:
-                self._remove(key)
-            return len(keys)
+    def _clearing(self) -> None:
+        for key in self._writing:
+            self._writing[key] = True  # a write in flight is cancelled
 
-    def stats(self) -> dict:
-        with self._lock:
-            return {
-                **self._counters,
-                "blocks": len(self._index),
-                "capacity_blocks": self.capacity_blocks,
-                "block_bytes": self.block_bytes,
-                "spares": len(self._spares),
-            }
-
-    def keys(self) -> list[bytes]:
-        with self._lock:
-            return list(self._index)
+    def _stats(self) -> dict:
+        return {"spares": len(self._spares)}
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,9 @@ removed), never an exception and never wrong data.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 
@@ -54,3 +56,82 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional)
         """Release OS resources (shared memory, sockets, file handles)."""
+
+
+def block_views(outs: Sequence, block_bytes: int) -> list[memoryview]:
+    """``outs`` as byte views, each exactly one block (ValueError otherwise)."""
+    views = [memoryview(o).cast("B") for o in outs]
+    for v in views:
+        if v.nbytes != block_bytes:
+            raise ValueError(f"out has {v.nbytes} bytes, a block has {block_bytes}")
+    return views
+
+
+def read_prefix(
+    keys: Sequence[bytes],
+    views: list[memoryview],
+    batch: int,
+    get_chunk: Callable[[list[bytes], list[memoryview]], int],
+) -> int:
+    """Read the leading blocks of ``keys`` into ``views``, ``batch`` keys per call of
+    ``get_chunk`` (which returns how many of its chunk it read: a prefix); how many in all."""
+    done = 0
+    while done < len(keys):
+        chunk = list(keys[done : done + batch])
+        n = get_chunk(chunk, views[done : done + len(chunk)])
+        done += n
+        if n < len(chunk):
+            break
+    return done
+
+
+COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "evictions", "failed_reads")
+
+
+class LocalTier(Tier):
+    """A tier of this process (the DRAM arena, the SSD records): an index of its keys under one
+    lock, and the counters every tier reports. Subclasses fill ``_index`` and remove a block with
+    ``_remove`` (lock held); ``_stats`` adds their own gauges."""
+
+    capacity_blocks: int
+    block_bytes: int
+
+    def __init__(self, *extra_counters: str) -> None:
+        self._lock = threading.Lock()
+        self._index: dict[bytes, object] = {}
+        self._counters = dict.fromkeys((*COUNTERS, "failed_writes", *extra_counters), 0)
+
+    @abstractmethod
+    def _remove(self, key: bytes) -> bool:
+        """Drop ``key`` (the lock is held); False if it was not there."""
+
+    def _clearing(self) -> None:  # noqa: B027 (optional)
+        """Called with the lock held before ``clear`` removes every block."""
+
+    def _stats(self) -> dict:
+        return {}
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._index
+
+    def clear(self) -> int:
+        with self._lock:
+            self._clearing()
+            keys = list(self._index)
+            for key in keys:
+                self._remove(key)
+            return len(keys)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                **self._counters,
+                "blocks": len(self._index),
+                "capacity_blocks": self.capacity_blocks,
+                "block_bytes": self.block_bytes,
+                **self._stats(),
+            }
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
