@@ -7,47 +7,95 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """One engine option: its flag, the EngineConfig field it sets (``cache.`` and
+    ``scheduler.`` name the nested configs' fields) and argparse's keywords. ``default`` must be
+    the field's default (a test checks it; the flags are declared without importing the config,
+    which imports torch, so that ``engine --help`` stays fast)."""
+
+    flag: str
+    field: str
+    default: object = None
+    kwargs: dict = dataclass_field(default_factory=dict)
+    invert: bool = False  # a store_true flag that sets the field to False (--no-prefix-caching)
+
+
+_BOOL = argparse.BooleanOptionalAction
+ENGINE_FLAGS = (
+    EngineFlag(
+        "--model", "model", "default", {"help": '"default" (SmolLM2-135M), a GGUF or HF dir'}
+    ),
+    EngineFlag("--dtype", "dtype", "auto", {"choices": ["auto", "float32", "float16", "bfloat16"]}),
+    EngineFlag("--device", "device", "auto"),
+    EngineFlag(
+        "--quantization",
+        "quantization",
+        None,
+        {"choices": ["int8"], "help": "weight-only int8 (16-bit dtypes)"},
+    ),
+    EngineFlag(
+        "--compile",
+        "compile",
+        False,
+        {
+            "action": _BOOL,
+            "help": "torch.compile the layers' dense parts (default off: see EngineConfig.compile)",
+        },
+    ),
+    EngineFlag("--max-model-len", "max_model_len", None, {"type": int}),
+    EngineFlag(
+        "--weight-cache",
+        "weight_cache",
+        True,
+        {
+            "action": _BOOL,
+            "help": "map a GGUF model's dequantized weights from ~/.cache/engine/weights (or "
+            "$ENGINE_WEIGHT_CACHE_DIR), writing them there on the first start (default on; "
+            "ENGINE_WEIGHT_CACHE=0 also turns it off)",
+        },
+    ),
+    EngineFlag("--block-size", "cache.block_size", 16, {"type": int}),
+    EngineFlag(
+        "--kv-cache-memory-gb",
+        "cache.kv_cache_memory_gb",
+        None,
+        {
+            "type": float,
+            "help": "KV cache size on CPU (default: 4 requests of the full context, at most 20%% "
+            "of available memory; the log says what was chosen)",
+        },
+    ),
+    EngineFlag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", 2048, {"type": int}),
+    EngineFlag("--max-num-seqs", "scheduler.max_num_seqs", 128, {"type": int}),
+    EngineFlag(
+        "--no-prefix-caching", "cache.enable_prefix_caching", True, {"action": "store_true"}, True
+    ),
+    EngineFlag(
+        "--kv-pool",
+        "kv_pool",
+        None,
+        {
+            "metavar": "SPEC",
+            "help": 'tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or '
+            '"dram=1GiB,tcp://H:P"',
+        },
+    ),
+)
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help='"default" (SmolLM2-135M), a GGUF or HF dir')
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument(
-        "--quantization", default=None, choices=["int8"], help="weight-only int8 (16-bit dtypes)"
-    )
-    p.add_argument(
-        "--compile",
-        default=False,
-        action=argparse.BooleanOptionalAction,
-        help="torch.compile the layers' dense parts (default off: see EngineConfig.compile)",
-    )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
-        "--weight-cache",
-        default=True,
-        action=argparse.BooleanOptionalAction,
-        help="map a GGUF model's dequantized weights from ~/.cache/engine/weights (or "
-        "$ENGINE_WEIGHT_CACHE_DIR), writing them there on the first start (default on; "
-        "ENGINE_WEIGHT_CACHE=0 also turns it off)",
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        default=None,
-        help="KV cache size on CPU (default: 4 requests of the full context, at most 20%% "
-        "of available memory; the log says what was chosen)",
-    )
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--kv-pool",
-        default=None,
-        metavar="SPEC",
-        help='tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or "dram=1GiB,tcp://H:P"',
-    )
+    for f in ENGINE_FLAGS:
+        default = (not f.default) if f.invert else f.default
+        p.add_argument(f.flag, default=default, **f.kwargs)
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def set_options(
@@ -96,27 +144,19 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    """The EngineConfig that ``add_engine_options`` describe, as ``args`` has them."""
+    """The EngineConfig that ``ENGINE_FLAGS`` describe, as ``args`` has them."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
+    fields: dict[str, dict] = {"": {}, "cache": {}, "scheduler": {}}
+    for f in ENGINE_FLAGS:
+        value = getattr(args, _dest(f.flag))
+        group, _, name = f.field.rpartition(".")
+        fields[group][name] = (not value) if f.invert else value
     return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        quantization=args.quantization,
-        compile=args.compile,
-        max_model_len=args.max_model_len,
-        weight_cache=args.weight_cache,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
-        ),
+        **fields[""],
+        cache=CacheConfig(**fields["cache"]),
+        scheduler=SchedulerConfig(**fields["scheduler"]),
         show_progress=True,
-        kv_pool=args.kv_pool,
     )
 
 

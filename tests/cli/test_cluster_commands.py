@@ -7,6 +7,7 @@ its default is not written out at all, so a default can never reach a worker as 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
 
@@ -110,3 +111,26 @@ def test_max_pending_reaches_the_router(command):
     assert default.max_pending == 4096
     with pytest.raises(ValueError, match="--max-pending must be >= 1"):
         _router_config(parser().parse_args([*words, "--max-pending", "0"]), "tcp://127.0.0.1:0")
+
+
+def test_each_engine_flag_default_is_its_config_fields_default():
+    """ENGINE_FLAGS is the one map of engine flags to EngineConfig fields: each flag's default
+    is the field's own, so the command line and the embedded API start the same engine."""
+    from engine.cli.engine_options import ENGINE_FLAGS
+    from engine.config import EngineConfig
+
+    config = EngineConfig()
+    for f in ENGINE_FLAGS:
+        value = config
+        for part in f.field.split("."):
+            value = getattr(value, part)
+        assert f.default == value, f.flag
+    p = argparse.ArgumentParser()
+    add_engine_options(p)
+    args = p.parse_args(["--no-prefix-caching", "--block-size", "32", "--max-num-seqs", "7"])
+    assert engine_config_from_args(args) == replace(
+        config,
+        cache=replace(config.cache, enable_prefix_caching=False, block_size=32),
+        scheduler=replace(config.scheduler, max_num_seqs=7),
+        show_progress=True,
+    )
