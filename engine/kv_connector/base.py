@@ -1,8 +1,8 @@
 """The KV-connector seam: KV that lives outside the paged cache, loaded into it and saved from it.
 
 The scheduler and the step loop know only this interface. The tiered pool is one implementation
-(``pool_connector.py``); the decode worker's receiver of a prefill worker's KV is another. Smaller
-than vLLM's KVConnectorBase_V1 because our scheduler and model runner share a process:
+(``kv_connector/pool.py``); the decode worker's receiver of a prefill worker's KV is another.
+Smaller than vLLM's KVConnectorBase_V1 because our scheduler and model runner share a process:
 
 - ``lookup``: how many of a request's next tokens (after those already in the device cache) the
   source holds. The scheduler then allocates blocks for them and calls ``start_load``.

@@ -1,7 +1,7 @@
 """The pool service: one process per host lends its DRAM and SSD to every engine that reaches it.
 
-``engine pool serve --dram SIZE --ssd PATH:SIZE --port N [--events-port M]`` (pool_cli.py) runs a
-``PoolService``: a ZeroMQ ROUTER socket speaking pool_protocol.py, and one BlockStore per
+``engine pool serve --dram SIZE --ssd PATH:SIZE --port N [--events-port M]`` (engine/cli/pool.py)
+runs a ``PoolService``: a ZeroMQ ROUTER socket speaking protocol.py, and one BlockStore per
 namespace a client announces in ``hello`` (each with a DRAM arena of ``--dram`` and the SSD tier's
 ``PATH/<namespace hex>/`` of ``--ssd``: sizes are per namespace, and at most ``max_namespaces``
 are kept). Engines on the host copy blocks through the namespace's shared-memory arena; engines
