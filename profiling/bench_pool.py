@@ -50,7 +50,7 @@ from engine.kvstore.eviction import POLICIES, make_policy  # noqa: E402
 from engine.kvstore.namespace import KVNamespace  # noqa: E402
 from engine.kvstore.ssd_tier import SsdTier  # noqa: E402
 from engine.kvstore.tier import Tier  # noqa: E402
-from profiling.sim_trace import DEFAULT_TRACE  # noqa: E402
+from engine.sim.trace import DEFAULT_TRACE  # noqa: E402
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE_BLOCK_TOKENS = 512

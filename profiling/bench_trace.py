@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 import numpy as np  # noqa: E402
 
-from profiling.sim_trace import DEFAULT_TRACE, TraceRequest, load_trace  # noqa: E402
+from engine.sim.trace import DEFAULT_TRACE, TraceRequest, load_trace  # noqa: E402
 
 POLICIES = ("random", "load", "cache_aware", "kvcentric")
 TRACE_BLOCK = 512  # tokens per hash id in Mooncake's traces

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine.kvcache.prefix_hash import hash_blocks
 from profiling.bench_trace import Result, sample_conversations, scale_trace, summarize
-from profiling.sim_trace import TraceRequest
+from engine.sim.trace import TraceRequest
 
 
 def req(i, t, n_in, n_out, ids):
