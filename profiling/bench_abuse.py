@@ -37,10 +37,8 @@ import numpy as np
 import psutil
 import zmq
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from engine.ipc.ports import free_port
-from engine.server.rpc_client import AsyncRPCClient  # noqa: E402
+from engine.server.rpc_client import AsyncRPCClient
 
 ATTACKS = ("slowloris", "large-prompt", "flood", "rpc-never-reads")
 PROBE_ADDRESS = "127.0.0.2"

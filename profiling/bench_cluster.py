@@ -27,22 +27,17 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repo importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
+import zmq
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import zmq  # noqa: E402
-
-from engine.cluster import messages as m  # noqa: E402
-from engine.kv_connector.receiver import KVReceiver  # noqa: E402
-from engine.kv_connector.sender import KVSender, SendTarget  # noqa: E402
-from engine.kv_connector.staging import KVLayout, StagingArena  # noqa: E402
-from profiling import bench_trace  # noqa: E402
+from engine.bench import trace as bench_trace
+from engine.cluster import messages as m
+from engine.kv_connector.receiver import KVReceiver
+from engine.kv_connector.sender import KVSender, SendTarget
+from engine.kv_connector.staging import KVLayout, StagingArena
 
 LAYERS, HEADS, DIM, BS = 30, 3, 64, 16  # SmolLM2-135M's KV shape
 

@@ -11,16 +11,13 @@ of --reps passes, alternating the two implementations.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.kernels.int8_matmul import int8_matmul_native, int8_matmul_ref  # noqa: E402
-from engine.layers.quant import quantize_int8  # noqa: E402
+from engine.kernels.int8_matmul import int8_matmul_native, int8_matmul_ref
+from engine.layers.quant import quantize_int8
 
 SHAPES = [(1728, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in) per layer
 

@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from profiling.workload import chat_prompts  # noqa: E402
+from engine.bench.machine import ceilings
+from engine.bench.workload import chat_prompts
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -43,28 +41,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     if model.lm_qweight is not None:
         return total + size(model.lm_qweight) + size(model.lm_scales)
     return total + size(model.lm_head)
-
-
-def ceilings() -> dict:
-    """This machine's ceilings, measured now: weight-streaming GEMV bandwidth (what batch-1 decode
-    is bound by) and GEMM throughput (what prefill is bound by), fp32 and bf16."""
-
-    def timed(a, b, reps=10) -> float:
-        a @ b.T
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b.T
-        return (time.perf_counter() - t0) / reps
-
-    out = {}
-    for dt in (torch.float32, torch.bfloat16):
-        w = torch.randn(8192, 4096).to(dt)  # larger than the caches
-        x = torch.randn(1, 4096).to(dt)
-        out[f"gemv_gb_s_{dt}"] = w.numel() * w.element_size() / timed(x, w) / 1e9
-        a = torch.randn(2048, 576).to(dt)
-        b = torch.randn(1536, 576).to(dt)
-        out[f"gemm_gflop_s_{dt}"] = 2 * 2048 * 576 * 1536 / timed(a, b) / 1e9
-    return out
 
 
 def bench_engine(llm: LLM, prompts, out_len: int) -> dict:

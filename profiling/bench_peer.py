@@ -34,12 +34,10 @@ import time
 import httpx
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from engine.bench.machine import ceilings
+from engine.bench.serve import load_tokenizer
+from engine.bench.workload import WORDS
 from engine.ipc.ports import free_port
-from profiling.bench_offline import ceilings  # noqa: E402
-from profiling.bench_serve import load_tokenizer  # noqa: E402
-from profiling.workload import WORDS  # noqa: E402
 
 CONCURRENCY = 16
 

@@ -6,11 +6,12 @@
     .venv/bin/python profiling/bench_pool.py throughput [--total-mib 256] [--ssd-dir DIR] \\
         [--service] [--mooncake]
 
-replay: feeds the ``hash_ids`` of a trace in Mooncake's format through the store's eviction
-policies with a capacity-only index (no model, no data; capacity in the trace's own blocks, 512
-tokens each, the last block of a prompt partial). Per request: the leading run of its blocks that
-the cache holds is a hit (as the engine's prefix match), then every block is accessed or
-inserted. Token hit rates weight each block by its length (``input_length``).
+replay (engine/bench/pool_replay.py): feeds the ``hash_ids`` of a trace in Mooncake's format
+through the store's eviction policies with a capacity-only index (no model, no data; capacity in
+the trace's own blocks, 512 tokens each, the last block of a prompt partial). Per request: the
+leading run of its blocks that the cache holds is a hit (as the engine's prefix match), then
+every block is accessed or inserted. Token hit rates weight each block by its length
+(``input_length``).
 
 throughput: DRAM and SSD tier put/get in GB/s against this machine's memcpy (numpy copy of the
 same blocks) and raw disk rates (one file written in block-sized chunks then fsync; read back
@@ -23,13 +24,12 @@ and a lender process, MooncakeTier as a pure client (TCP) against the same raw Z
     .venv/bin/python profiling/bench_pool.py ttft [--prompt-len 2048] [--dtypes float32,bfloat16]
 
 ttft: a long prompt whose blocks (all but the last) sit in DRAM or on SSD (page cache dropped)
-against recomputing it (profiling/pool_ttft.py).
+against recomputing it (engine/bench/pool_ttft.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -40,132 +40,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.ipc.ports import free_port  # noqa: E402
-from engine.kvstore import block_record  # noqa: E402
-from engine.kvstore.block_store import BlockStore  # noqa: E402
-from engine.kvstore.dram_tier import DramTier  # noqa: E402
-from engine.kvstore.eviction import POLICIES, make_policy  # noqa: E402
-from engine.kvstore.namespace import KVNamespace  # noqa: E402
-from engine.kvstore.ssd_tier import SsdTier  # noqa: E402
-from engine.kvstore.tier import Tier  # noqa: E402
-from profiling.sim_trace import DEFAULT_TRACE  # noqa: E402
+from engine.bench import pool_replay, pool_ttft
+from engine.ipc.ports import free_port
+from engine.kvstore import block_record
+from engine.kvstore.block_store import BlockStore
+from engine.kvstore.dram_tier import DramTier
+from engine.kvstore.namespace import KVNamespace
+from engine.kvstore.ssd_tier import SsdTier
+from engine.kvstore.tier import Tier
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACE_BLOCK_TOKENS = 512
 PAGE = 4096
-# The figures of data/traces/mooncake/README.md (token hit rates, LRU) for this trace.
-README_FIGURES = {"lru": {"10000": 0.215, "50000": 0.362, "inf": 0.374}}
-
-
-# -- replay ---------------------------------------------------------------------------------------
-
-
-class TraceRequest(NamedTuple):
-    hash_ids: list[int]
-    input_length: int
-
-
-class HitRates(NamedTuple):
-    tokens: float
-    blocks: float
-    evictions: int
-
-
-class CapacityIndex:
-    """The store's index without data: which keys a tier of ``capacity`` blocks holds, evicting
-    by the same policy classes the tiers use."""
-
-    def __init__(self, capacity: float, policy: str) -> None:
-        self.capacity = capacity
-        self.policy = make_policy(policy)
-        self.evictions = 0
-
-    def __contains__(self, key) -> bool:
-        return key in self.policy
-
-    def access_or_insert(self, key, position: int) -> None:
-        if key in self.policy:
-            self.policy.on_access(key)
-            return
-        if len(self.policy) >= self.capacity:
-            victim = self.policy.victim()
-            self.policy.on_remove(victim)
-            self.evictions += 1
-        self.policy.on_insert(key, position)
-
-
-def load_trace(path: str) -> list[TraceRequest]:
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            ids, length = r["hash_ids"], r["input_length"]
-            if len(ids) != math.ceil(length / TRACE_BLOCK_TOKENS):
-                raise ValueError(f"{path}:{n}: {len(ids)} hash_ids for input_length {length}")
-            out.append(TraceRequest(ids, length))
-    return out
-
-
-def replay(trace: list[TraceRequest], capacity: float, policy: str) -> HitRates:
-    index = CapacityIndex(capacity, policy)
-    hit_tokens = hit_blocks = total_blocks = total_tokens = 0
-    for req in trace:
-        ids = req.hash_ids
-        matched = 0
-        while matched < len(ids) and ids[matched] in index:
-            matched += 1
-        last_len = req.input_length - TRACE_BLOCK_TOKENS * (len(ids) - 1)
-        hit_tokens += matched * TRACE_BLOCK_TOKENS - (
-            TRACE_BLOCK_TOKENS - last_len if matched == len(ids) else 0
-        )
-        hit_blocks += matched
-        total_blocks += len(ids)
-        total_tokens += req.input_length
-        for position, key in enumerate(ids):
-            index.access_or_insert(key, position)
-    return HitRates(hit_tokens / total_tokens, hit_blocks / total_blocks, index.evictions)
-
-
-def cmd_replay(args: argparse.Namespace) -> None:
-    capacities = [c.strip() for c in args.blocks.split(",")]
-    policies = [p.strip() for p in args.policy.split(",")]
-    for p in policies:
-        if p not in POLICIES:
-            raise SystemExit(f"--policy {p!r} is unknown; choose from {','.join(POLICIES)}")
-    for c in capacities:
-        if c != "inf" and not (c.isdigit() and int(c) > 0):
-            raise SystemExit(f"--blocks {c!r} must be a positive integer or inf")
-    trace = load_trace(args.trace)
-    results: dict[str, dict[str, HitRates]] = {}
-    t0 = time.perf_counter()
-    for p in policies:
-        results[p] = {c: replay(trace, math.inf if c == "inf" else int(c), p) for c in capacities}
-    elapsed = time.perf_counter() - t0
-    if args.json:
-        print(
-            json.dumps(
-                {p: {c: round(r.tokens, 4) for c, r in rs.items()} for p, rs in results.items()}
-            )
-        )
-        return
-    n_blocks = sum(len(r.hash_ids) for r in trace)
-    print(
-        f"{args.trace}: {len(trace)} requests, {n_blocks} block accesses; "
-        f"{len(policies) * len(capacities)} replays in {elapsed:.1f} s"
-    )
-    print(
-        f"{'policy':8s} {'blocks':>8s} {'token hit':>10s} {'block hit':>10s} "
-        f"{'evictions':>10s} {'README':>8s}"
-    )
-    for p, rs in results.items():
-        for c, r in rs.items():
-            ref = README_FIGURES.get(p, {}).get(c)
-            ref_s = f"{ref:.1%}" if ref is not None else "-"
-            print(f"{p:8s} {c:>8s} {r.tokens:10.1%} {r.blocks:10.1%} {r.evictions:10d} {ref_s:>8s}")
 
 
 # -- throughput -----------------------------------------------------------------------------------
@@ -653,12 +538,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    rp = sub.add_parser("replay", help="hit rates of a Mooncake-format trace per policy/capacity")
-    rp.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL")
-    rp.add_argument("--blocks", default="1000,10000,50000,inf", help="capacities, in trace blocks")
-    rp.add_argument("--policy", default=",".join(POLICIES))
-    rp.add_argument("--json", action="store_true", help='print {"lru": {"1000": 0.04, ...}, ...}')
-    rp.set_defaults(func=cmd_replay)
+    pool_replay.add_parser(sub)
 
     tp = sub.add_parser("throughput", help="tier get/put GB/s against memcpy and the disk")
     tp.add_argument("--total-mib", type=int, default=256)
@@ -668,8 +548,6 @@ def main() -> None:
     tp.add_argument("--service", action="store_true", help="also a pool service (shm and tcp)")
     tp.add_argument("--mooncake", action="store_true", help="also the Mooncake Store backend")
     tp.set_defaults(func=cmd_throughput)
-
-    from profiling import pool_ttft
 
     pool_ttft.add_parser(sub)
 

@@ -10,17 +10,13 @@ the first request has filled the cache. Prints TTFT p50/p90 and mean for both ru
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.core.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from profiling.workload import WORDS  # noqa: E402
+from engine.bench.workload import WORDS
+from engine.config import CacheConfig, EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 
 
 def build_prompts(tok, n: int, system_len: int, user_len: int, seed: int = 0) -> list[list[int]]:

@@ -11,16 +11,12 @@ and building outputs.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.core.llm_engine import LLMEngine  # noqa: E402
-from engine.core.metrics import StepTimes  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from profiling.workload import chat_prompts  # noqa: E402
+from engine.bench.workload import chat_prompts
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.metrics import StepTimes
+from engine.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -15,18 +15,14 @@ column overstates it by the launcher's ~20 us per layer (ENGINE_KERNELS=torch: t
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine import kernels  # noqa: E402
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.core.llm_engine import LLMEngine  # noqa: E402
-from engine.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from engine import kernels
+from engine.config import CacheConfig, EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.layers.attention_metadata import AttentionMetadata
 
 
 def decode_inputs(batch: int, context: int, block_size: int, num_blocks: int, vocab: int):

@@ -33,7 +33,7 @@ else
     fi
 fi
 echo "python: $PY ($("$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'))"
-# The engine package (only engine.kernels is imported; kernels.py also puts the repo on sys.path).
+# The engine package (only engine.kernels is imported): installed editable, else on PYTHONPATH.
 "$PY" -c 'import engine.kernels' 2>/dev/null \
     || "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
     || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

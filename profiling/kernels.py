@@ -37,7 +37,6 @@ if AOT:
     os.environ.pop("TRITON_INTERPRET", None)
 elif not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, below
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a bare checkout too
 
 import triton  # noqa: E402
 

@@ -23,16 +23,12 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.cluster.conductor.cost_model import SMOLLM2_CPU  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.cluster.conductor.cost_model import SMOLLM2_CPU
 
 PREFILL = ((64, 0), (256, 0), (512, 0), (1024, 0), (256, 512), (64, 960))  # (new, cached)
 DECODE = (1, 4, 16)  # batch sizes, 64-token prompts

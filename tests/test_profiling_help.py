@@ -1,8 +1,12 @@
-"""Every benchmark script parses its arguments: `--help` exits 0. (Two merged features once added
-the same option to one script, which then failed before measuring anything.)"""
+"""profiling/ holds command lines only: every script parses its arguments (`--help` exits 0; two
+merged features once added the same option to one script, which then failed before measuring
+anything), and none edits ``sys.path`` or imports another script: what scripts share, and what
+tests import, lives in the installed package (engine/bench/, engine/sim/), so
+``python profiling/X.py`` runs as it is, from any directory."""
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
 import runpy
@@ -11,11 +15,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = sorted(
-    p
-    for p in glob.glob(os.path.join(ROOT, "profiling", "*.py"))
-    if "argparse" in open(p).read() and "__main__" in open(p).read()
-)
+PROFILING = os.path.join(ROOT, "profiling")
+FILES = sorted(glob.glob(os.path.join(PROFILING, "*.py")))
+SCRIPTS = [p for p in FILES if "__main__" in open(p).read()]
+NAMES = {os.path.splitext(os.path.basename(p))[0] for p in FILES}
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
@@ -25,3 +28,70 @@ def test_help_exits_zero(path, monkeypatch, capsys):
         runpy.run_path(path, run_name="__main__")
     assert exc.value.code in (0, None)
     assert "usage" in capsys.readouterr().out.lower()
+
+
+def offences(path: str, scripts: set[str]) -> list[str]:
+    """Where the file at ``path`` touches ``sys.path`` or imports ``profiling`` or one of
+    ``scripts`` (another script, by module name), as 'file:line: what'."""
+    tree = ast.parse(open(path).read(), filename=path)
+    here = os.path.splitext(os.path.basename(path))[0]
+    out = []
+
+    def bad_module(name: str) -> bool:
+        top = name.split(".")[0]
+        return top == "profiling" or (top in scripts and top != here)
+
+    for node in ast.walk(tree):
+        what = None
+        if isinstance(node, ast.Attribute) and node.attr == "path":
+            if isinstance(node.value, ast.Name) and node.value.id == "sys":
+                what = "sys.path"
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module == "sys" and any(a.name == "path" for a in node.names):
+                what = "from sys import path"
+            elif bad_module(node.module):
+                what = f"from {node.module} import ..."
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            what = "a relative import"
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if bad_module(a.name)]
+            if names:
+                what = "import " + ", ".join(names)
+        if what:
+            out.append((node.lineno, what))
+    return [f"{os.path.relpath(path, ROOT)}:{n}: {what}" for n, what in sorted(out)]
+
+
+def test_no_script_edits_sys_path_or_imports_another():
+    assert len(SCRIPTS) > 15, "the glob should see profiling/'s scripts"
+    found = [line for p in FILES for line in offences(p, NAMES)]
+    assert not found, "\n".join(found)
+
+
+def test_nothing_outside_profiling_imports_it():
+    paths = glob.glob(os.path.join(ROOT, "engine", "**", "*.py"), recursive=True)
+    paths += glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True)
+    found = [line for p in sorted(paths) for line in offences(p, set())]
+    found = [line for line in found if "sys.path" not in line and "relative" not in line]
+    assert not found, "\n".join(found)
+
+
+def test_the_check_sees_each_kind_of_offence(tmp_path):
+    script = tmp_path / "a.py"
+    script.write_text(
+        "import sys\nimport os.path\n"
+        "sys.path.insert(0, '.')\n"
+        "from sys import path\n"
+        "from profiling.sim_trace import load_trace\n"
+        "import b\n"
+        "from . import c\n"
+        "import a\n"  # itself: no offence
+    )
+    lines = [line.split(": ", 1)[1] for line in offences(str(script), {"a", "b"})]
+    assert lines == [
+        "sys.path",
+        "from sys import path",
+        "from profiling.sim_trace import ...",
+        "import b",
+        "a relative import",
+    ]

@@ -8,7 +8,7 @@ Every method takes ``now`` from the caller (seconds on any monotonic clock): the
 reads a clock itself, so the simulator drives the same code on simulated time.
 
 ``Placer`` is the Conductor's own interface (``conductor.Conductor`` implements it), driven by
-the simulator (profiling/sim_cluster.py) on simulated time and, in a cluster, by
+the simulator (engine/sim/simulator.py) on simulated time and, in a cluster, by
 ``conductor_placement.ConductorPlacement``. The router never sees it: the router knows only
 ``engine.cluster.placement.Placement``, the one protocol that lists every call it makes, which
 ConductorPlacement implements by translating (worker ids, its clock, prompt block hashes) into

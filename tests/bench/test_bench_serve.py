@@ -6,8 +6,8 @@ import argparse
 import json
 import math
 
-from profiling.bench_serve import RequestResult, arrival_delays, summarize
-from profiling.serve_datasets import mooncake_requests, random_requests
+from engine.bench.datasets import mooncake_requests, random_requests
+from engine.bench.serve import RequestResult, arrival_delays, summarize
 
 
 class _Tok:

@@ -13,9 +13,9 @@ import engine.cluster.conductor.adapter as conductor_placement
 import engine.cluster.conductor.conductor as conductor_mod
 import engine.kvstore.eviction as eviction_mod
 from engine.cluster.conductor.cost_model import PAPER, SMOLLM2_CPU
-from profiling import sim_cluster, simulate
-from profiling.sim_cluster import SimConfig, Simulator
-from profiling.sim_trace import TraceRequest, load_trace
+from engine.sim import simulate, simulator
+from engine.sim.simulator import SimConfig, Simulator
+from engine.sim.trace import TraceRequest, load_trace
 
 
 def synthetic(n: int, rate: float, seed: int = 0) -> list[TraceRequest]:
@@ -62,7 +62,7 @@ def strip(result: dict) -> dict:
 def test_it_runs_the_engines_conductor_and_eviction_policies():
     # Forking the Conductor (or the policies) into the simulator would make its results say
     # nothing about the cluster: it must use the very classes.
-    assert sim_cluster.Conductor is conductor_mod.Conductor
+    assert simulator.Conductor is conductor_mod.Conductor
     assert conductor_placement.Conductor is conductor_mod.Conductor  # what the router wraps
     sim = Simulator(SimConfig(prefill=2, decode=1, eviction="lfu"), [])
     assert type(sim.conductor) is conductor_mod.Conductor

@@ -1,13 +1,13 @@
-"""The real-cluster trace benchmark's workload (profiling/bench_trace.py): trace blocks become
+"""The real-cluster trace benchmark's workload (engine/bench/trace.py): trace blocks become
 token blocks so that shared hash ids are shared token prefixes (and so shared KV blocks), lengths
 scale and cap as stated, a run's salt gives it prefixes no other run has, and sampling keeps
 whole conversations."""
 
 from __future__ import annotations
 
+from engine.bench.trace import Result, sample_conversations, scale_trace, summarize
 from engine.kvcache.prefix_hash import hash_blocks
-from profiling.bench_trace import Result, sample_conversations, scale_trace, summarize
-from profiling.sim_trace import TraceRequest
+from engine.sim.trace import TraceRequest
 
 
 def req(i, t, n_in, n_out, ids):

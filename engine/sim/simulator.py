@@ -1,12 +1,12 @@
 """A discrete-event simulator of a serving cluster, driving the real Conductor.
 
-Disaggregated (``prefill`` + ``decode`` instances, placed by ``engine.cluster.conductor.conductor``) or
-colocated (``colocated`` instances that each prefill and decode, vLLM-0.5 style: a waiting
-prefill runs before the next decode step, stalling the running batch; requests go to the
-instance with the fewest outstanding). Times come from a ``CostModel``; prefix caches are the
-block store's real eviction policies (``engine.kvstore.eviction``) with a capacity in blocks, and
-the Conductor learns what each instance holds from the same ``stored``/``removed`` events the
-real instances publish.
+Disaggregated (``prefill`` + ``decode`` instances, placed by
+``engine.cluster.conductor.conductor``) or colocated (``colocated`` instances that each prefill
+and decode, vLLM-0.5 style: a waiting prefill runs before the next decode step, stalling the
+running batch; requests go to the instance with the fewest outstanding). Times come from a
+``CostModel``; prefix caches are the block store's real eviction policies
+(``engine.kvstore.eviction``) with a capacity in blocks, and the Conductor learns what each
+instance holds from the same ``stored``/``removed`` events the real instances publish.
 
 What a prefill instance does: one request at a time, FIFO. It first copies the blocks the
 decision says to copy (those its source still holds), then prefills the tokens its cache lacks;
@@ -34,7 +34,7 @@ from engine.cluster.conductor.conductor import Conductor, ConductorConfig
 from engine.cluster.conductor.cost_model import CostModel, get_cost_model
 from engine.kvstore.eviction import POLICIES as EVICTIONS
 from engine.kvstore.eviction import make_policy
-from profiling.sim_trace import TraceRequest
+from engine.sim.trace import TraceRequest
 
 # FAST'25 Fig. 10: 3M tokens of DRAM cache per prefill node = 5,859 blocks of 512 tokens.
 DEFAULT_CACHE_BLOCKS = 3_000_000 // 512

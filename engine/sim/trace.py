@@ -1,6 +1,12 @@
 """Mooncake-format request traces (data/traces/mooncake/README.md): one JSON object a
 line with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (one chained
-id per 512-token block, the last block possibly partial)."""
+id per 512-token block, the last block possibly partial).
+
+The bundled trace, ``DEFAULT_TRACE``, is a file of the repository, not of the package: it is found
+from this file's place in the checkout (``<repo>/engine/sim/trace.py`` -> ``<repo>/data/traces``),
+which is where the package lives when installed editable (``pip install -e .``, as the Makefile
+does) or imported from the checkout. An installed copy outside a checkout has no such file; pass
+the trace's path (``--trace FILE``) instead, and a missing file is an ``OSError`` naming it."""
 
 from __future__ import annotations
 
@@ -8,8 +14,10 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
+# The repository holding this package (engine/sim/trace.py -> its checkout's root).
+REPO = Path(__file__).resolve().parents[2]
 # The Mooncake authors' one-hour conversation trace, in the repository (Apache-2.0).
-TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+TRACES = REPO / "data" / "traces"
 DEFAULT_TRACE = TRACES / "mooncake" / "conversation_trace.jsonl"
 
 

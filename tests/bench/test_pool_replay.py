@@ -1,4 +1,5 @@
-"""The trace replay of profiling/bench_pool.py counts hits as the engine's prefix match does."""
+"""The KV pool's trace replay (engine/bench/pool_replay.py) counts hits as the engine's prefix
+match does."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import pytest
 
-from profiling.bench_pool import TraceRequest, load_trace, replay
+from engine.bench.pool_replay import TraceRequest, load_trace, replay
 
 
 def test_token_and_block_hit_rates_on_a_scripted_trace():

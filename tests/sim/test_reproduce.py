@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from profiling import reproduce, simulate
-from profiling.sim_cluster import SimConfig
+from engine.sim import reproduce, simulate
+from engine.sim.simulator import SimConfig
 
 INF = math.inf
 

@@ -1,0 +1,13 @@
+"""The cluster simulator and the reproduction of the Mooncake papers' scheduling results.
+
+- ``trace``: Mooncake-format request traces and the bundled one (``DEFAULT_TRACE``);
+- ``simulator``: a discrete-event simulator of a disaggregated (or colocated) cluster that runs
+  the engine's own Conductor and eviction policies on simulated time (``SimConfig``,
+  ``Simulator``);
+- ``simulate``: the body of ``python profiling/simulate.py``;
+- ``reproduce``: the body of ``python profiling/reproduce.py`` (``make reproduce``), which writes
+  docs/reproduction.md.
+
+This package imports the engine (``engine.cluster.conductor``, ``engine.kvstore.eviction``); the
+engine never imports it (tests/sim/test_layering.py).
+"""
