@@ -1,6 +1,7 @@
 """Online serving benchmark in the shape of ``vllm bench serve`` (TTFT, TPOT, ITL, e2e latency,
 throughput, goodput); ``--help`` shows the usage. The benchmark is engine/bench/serve.py, its
-workloads engine/bench/datasets.py.
+clients engine/bench/backends.py, its arrivals engine/bench/arrivals.py, its figures
+engine/bench/summary.py, its workloads engine/bench/datasets.py.
 """
 
 import sys

@@ -128,10 +128,10 @@ def _run_stages(serve_args: list[str]) -> None:
 
     commands.add_server_commands(sub, add_engine_options)
     args = parser.parse_args(["serve", "--port", "0", *serve_args])
-    commands._check_limits(args)
+    commands.check_limits(args)
     sock = bind_socket(args.host, 0)
     t = time.perf_counter()
-    llm = commands._make_engine(args)
+    llm = commands.make_engine(args)
     engine_s = time.perf_counter() - t
     marks["model: checkpoint + tokenizer"] = timers["checkpoint"]
     marks["model: weights"] = timers["weights"]

@@ -1,6 +1,8 @@
 """Reproduce the Mooncake papers' scheduling results on the simulated cluster (``make reproduce``):
-writes docs/reproduction.md and its plots under docs/figures/. The experiments are in
-engine/sim/reproduce.py; ``--quick`` runs each on the first 10 minutes of the trace.
+writes docs/reproduction.md and its plots under docs/figures/. The command's body is
+engine/sim/reproduce.py (the experiments are in engine/sim/experiments.py, the plots in
+engine/sim/plots.py, the document in engine/sim/report.py); ``--quick`` runs each on the first
+10 minutes of the trace.
 """
 
 import sys

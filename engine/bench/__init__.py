@@ -2,8 +2,9 @@
 layout of vLLM's ``vllm/benchmarks/``: the package holds what tests import, the scripts parse
 arguments and call it).
 
-- ``serve``: the online serving benchmark (``profiling/bench_serve.py``): the OpenAI and
-  embedded clients, arrivals, the summary of TTFT, TPOT, ITL and e2e latency;
+- ``serve``: the online serving benchmark (``profiling/bench_serve.py``): its targets and
+  command line; ``backends`` its OpenAI and embedded clients, ``arrivals`` when it sends each
+  request, ``summary`` its figures (TTFT, TPOT, ITL and e2e latency, throughput, goodput);
 - ``datasets``: its workloads (random token prompts, a Mooncake trace's shared blocks);
 - ``trace``: a Mooncake trace replayed on a real cluster by placement policy
   (``profiling/bench_trace.py``, ``profiling/bench_cluster.py --trace``);

@@ -76,7 +76,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def _make_engine(args: argparse.Namespace):
+def make_engine(args: argparse.Namespace):
+    """The AsyncLLM that ``engine serve`` and ``engine rpc`` serve, built from their parsed
+    arguments (the engine options and --max-pending, which ``check_limits`` has filled in); sets
+    up logging at --log-level first. profiling/bench_startup.py times it."""
     from engine.async_llm import AsyncLLM
 
     logging.basicConfig(
@@ -92,8 +95,10 @@ def _make_engine(args: argparse.Namespace):
 DEFAULT_PER_CLIENT = 32
 
 
-def _check_limits(args: argparse.Namespace) -> None:
-    """Overload must meet the documented 429 of the admission queue before any other limit:
+def check_limits(args: argparse.Namespace) -> None:
+    """Check the admission limits of ``engine serve`` or ``engine rpc`` and fill in their defaults
+    in ``args`` (--max-pending, --max-pending-per-client); raises ValueError on a bad one.
+    Overload must meet the documented 429 of the admission queue before any other limit:
     requests in flight stay below the connection cap (HTTP) or the calls cap (RPC)."""
     cap, name = (
         (args.max_connections, "--max-connections")
@@ -133,10 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    _check_limits(args)
+    check_limits(args)
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
     try:
-        llm = _make_engine(args)
+        llm = make_engine(args)
     except BaseException:
         sock.close()
         raise
@@ -180,9 +185,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_rpc(args: argparse.Namespace) -> int:
     from engine.server.rpc_server import check_address, serve_rpc
 
-    _check_limits(args)
+    check_limits(args)
     check_address(args.address)  # before the model loads: a bad or taken address fails now
-    llm = _make_engine(args)
+    llm = make_engine(args)
     print(
         f"RPC server on {args.address}. From Python:\n"
         f"  from engine.client import RPCClient\n"

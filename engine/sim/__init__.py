@@ -6,7 +6,8 @@
   ``Simulator``);
 - ``simulate``: the body of ``python profiling/simulate.py``;
 - ``reproduce``: the body of ``python profiling/reproduce.py`` (``make reproduce``), which writes
-  docs/reproduction.md.
+  docs/reproduction.md: its experiments are in ``experiments``, its plots in ``plots``, the
+  document in ``report``.
 
 This package imports the engine (``engine.cluster.conductor``, ``engine.kvstore.eviction``); the
 engine never imports it (tests/sim/test_layering.py).

@@ -70,14 +70,14 @@ def test_places_are_returned_after_errors(capped):
 def test_serve_default_and_off():
     import argparse
 
-    from engine.cli.serve import _check_limits
+    from engine.cli.serve import check_limits
 
     def limits(**kw):
         args = argparse.Namespace(
             command="serve", max_connections=2048, max_pending=None, max_pending_per_client=None
         )
         vars(args).update(kw)
-        _check_limits(args)
+        check_limits(args)
         return args.max_pending_per_client
 
     assert limits() == DEFAULT_PER_CLIENT
