@@ -14,37 +14,32 @@ Socket roles (fixed):
   no frame over shared memory, where they already lie in the decode worker's staging area),
   ``KVDone`` (first tokens and sampler state; one raw frame per seeded generator), ``KVAbort``.
 
-Wire form: frame 0 is ``{"t": TYPE, field: value, ...}``; frames 1.. are the message's
-``frames``. ``decode`` checks everything a peer could get wrong (sizes, the type, every field's
-type, the number of frames) and raises ``MessageError`` naming it; it never raises anything else.
+Wire form (engine/ipc/codec.py): frame 0 is ``{"t": TYPE, field: value, ...}``; frames 1.. are
+the message's ``frames``. A field with a default may be left out. ``decode`` checks everything a
+peer could get wrong (sizes, the type, every field's type, unknown fields, the number of frames)
+and raises ``MessageError`` naming it; it never raises anything else.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import msgpack
+from engine.ipc import codec
 
 MAX_HEADER_BYTES = 1 << 20  # a header holds token ids (a long prompt is ~100k ints)
 MAX_FRAME_BYTES = 1 << 30  # one layer of one chunk of KV
 MAX_FRAMES = 64
 
 
-class MessageError(ValueError):
+class MessageError(codec.CodecError):
     """A frame that is not a valid message (the peer is told; nothing else is disturbed)."""
 
 
 @dataclass(frozen=True)
-class Message:
-    frames: tuple[bytes | memoryview, ...] = field(default=(), kw_only=True)
-
+class Message(codec.Message):
     TYPE: typing.ClassVar[str] = ""
-
-    def expected_frames(self) -> int:
-        return 0
 
 
 # -- control: worker -> router -----------------------------------------------------------------
@@ -149,11 +144,17 @@ class CopyDone(Message):
 
 
 @dataclass(frozen=True)
-class DecodeRequest(Message):
-    TYPE = "decode_request"
+class _PromptRequest(Message):
+    """A request's prompt and sampling parameters (ipc/wire.py's params_to_wire)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: dict
+
+
+@dataclass(frozen=True)
+class DecodeRequest(_PromptRequest):
+    TYPE = "decode_request"
     deadline_s: float  # seconds the transfer may take before the failure policy applies
     # The prefill worker placed with it (its Register's pid and host): over shared memory the
     # decode worker frees the request's staging area as soon as that process is gone.
@@ -162,11 +163,8 @@ class DecodeRequest(Message):
 
 
 @dataclass(frozen=True)
-class PrefillRequest(Message):
+class PrefillRequest(_PromptRequest):
     TYPE = "prefill_request"
-    request_id: str
-    prompt_token_ids: list[int]
-    params: dict
     decode_id: str
     kv_address: str
     transport: str  # "shm" | "tcp"
@@ -310,100 +308,21 @@ MESSAGES: dict[str, type[Message]] = {
 }
 
 
-# -- encoding ----------------------------------------------------------------------------------
+CODEC = codec.Codec(
+    "t",
+    MESSAGES,
+    error=MessageError,
+    max_header_bytes=MAX_HEADER_BYTES,
+    max_frame_bytes=MAX_FRAME_BYTES,
+    max_frames=MAX_FRAMES,
+)
 
 
 def encode(msg: Message) -> list:
-    header = {"t": msg.TYPE}
-    for f in dataclasses.fields(msg):
-        if f.name != "frames":
-            header[f.name] = getattr(msg, f.name)
-    return [msgpack.packb(header, use_bin_type=True), *msg.frames]
+    return CODEC.encode(msg)
 
 
-def decode(frames: list, check_frames: bool = True) -> Message:
+def decode(frames: Sequence, check_frames: bool = True) -> Message:
     """A message from raw frames; MessageError naming the problem if they are not one.
     ``check_frames=False`` decodes a header alone (its data frames are read separately)."""
-    if not frames:
-        raise MessageError("empty message")
-    if len(frames) > MAX_FRAMES:
-        raise MessageError(f"too many frames: {len(frames)} > {MAX_FRAMES}")
-    head = frames[0]
-    if len(head) > MAX_HEADER_BYTES:
-        raise MessageError(f"header of {len(head)} bytes is over the limit of {MAX_HEADER_BYTES}")
-    for i, f in enumerate(frames[1:], 1):
-        if len(f) > MAX_FRAME_BYTES:
-            raise MessageError(f"frame {i} of {len(f)} bytes is over the limit {MAX_FRAME_BYTES}")
-    try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
-    except Exception as exc:  # msgpack raises several types for garbage
-        raise MessageError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(header, dict):
-        raise MessageError(f"header must be a map, got {type(header).__name__}")
-    kind = header.get("t")
-    cls = MESSAGES.get(kind) if isinstance(kind, str) else None  # a list is unhashable
-    if cls is None:
-        raise MessageError(f"unknown message type {str(kind)[:60]!r}")
-    hints = _hints(cls)
-    kwargs = {}
-    for name, hint in hints.items():
-        if name not in header:
-            if _has_default(cls, name):
-                continue
-            raise MessageError(f"{cls.TYPE}: field {name!r} is missing")
-        value = header[name]
-        if not _check(value, hint):
-            raise MessageError(
-                f"{cls.TYPE}: field {name!r} must be {_describe(hint)}, got {type(value).__name__}"
-            )
-        kwargs[name] = value
-    extra = set(header) - set(hints) - {"t"}
-    if extra:
-        raise MessageError(f"{cls.TYPE}: unknown fields {sorted(map(str, extra))}")
-    msg = cls(**kwargs, frames=tuple(frames[1:]))
-    if check_frames and len(msg.frames) != msg.expected_frames():
-        raise MessageError(
-            f"{cls.TYPE}: expected {msg.expected_frames()} data frame(s), got {len(msg.frames)}"
-        )
-    return msg
-
-
-_HINTS: dict[type, dict[str, object]] = {}
-
-
-def _hints(cls: type) -> dict[str, object]:
-    if cls not in _HINTS:
-        hints = typing.get_type_hints(cls)
-        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "frames"}
-    return _HINTS[cls]
-
-
-def _has_default(cls: type, name: str) -> bool:
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-
-
-def _check(value: object, hint: object) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_check(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is dict:
-        return isinstance(value, dict)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_check(v, item) for v in value)
-    raise TypeError(f"unsupported field type {hint!r}")
-
-
-def _describe(hint: object) -> str:
-    return getattr(hint, "__name__", None) or str(hint)
+    return CODEC.decode(frames, check_frames)  # type: ignore[return-value]
