@@ -22,9 +22,8 @@ and raises ``MessageError`` naming it; it never raises anything else.
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from engine.ipc import codec
 
@@ -37,17 +36,16 @@ class MessageError(codec.CodecError):
     """A frame that is not a valid message (the peer is told; nothing else is disturbed)."""
 
 
-@dataclass(frozen=True)
 class Message(codec.Message):
-    TYPE: typing.ClassVar[str] = ""
+    @property
+    def TYPE(self) -> str:  # noqa: N802 (the kind, by the name the cluster's code reads)
+        return self.KIND
 
 
 # -- control: worker -> router -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Register(Message):
-    TYPE = "register"
+class Register(Message, kind="register"):
     worker_id: str
     role: str  # "prefill" | "decode"
     pid: int
@@ -63,9 +61,7 @@ class Register(Message):
     copy_address: str = ""  # prefill: the PULL endpoint other prefill workers copy blocks to
 
 
-@dataclass(frozen=True)
-class Heartbeat(Message):
-    TYPE = "heartbeat"
+class Heartbeat(Message, kind="heartbeat"):
     worker_id: str
     state: str  # "up" | "draining"
     running: int
@@ -83,57 +79,52 @@ class Heartbeat(Message):
     step_tokens: float = 0.0
 
 
-@dataclass(frozen=True)
-class Goodbye(Message):
-    TYPE = "goodbye"
+class Goodbye(Message, kind="goodbye"):
+    """The worker leaves (drained or stopping): nothing more is placed on it."""
+
     worker_id: str
 
 
-@dataclass(frozen=True)
-class DecodeReady(Message):
-    TYPE = "decode_ready"
+class DecodeReady(Message, kind="decode_ready"):
+    """The decode worker's answer to ``DecodeRequest``: where the KV goes, or why not."""
+
     request_id: str
     offset: int  # of the request's staging area in the arena
     nbytes: int
     error: str | None = None  # staging full, draining...
 
 
-@dataclass(frozen=True)
-class Outputs(Message):
+class Outputs(Message, kind="outputs"):
     """Tokens of one request, per choice: ``{"index", "offset", "token_ids", "text_offset",
     "text", "logprobs", "finish_reason", "stop_reason"}``; offsets say where in the choice's
     tokens and text this delta starts, so a repeated delta (a recompute) is dropped."""
 
-    TYPE = "outputs"
     request_id: str
     worker_id: str
     outputs: list[dict]
     num_cached_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class TransferFailed(Message):
-    TYPE = "transfer_failed"
+class TransferFailed(Message, kind="transfer_failed"):
+    """The KV of a request did not arrive whole; ``recompute`` says what the decode worker does
+    about it."""
+
     request_id: str
     reason: str
     recompute: bool  # the decode worker prefills the prompt itself (policy "recompute")
 
 
-@dataclass(frozen=True)
-class RequestError(Message):
-    TYPE = "request_error"
+class RequestError(Message, kind="request_error"):
     request_id: str
     worker_id: str
     code: int  # HTTP-like: 400 bad input, 429/503 retry elsewhere, 500
     message: str
 
 
-@dataclass(frozen=True)
-class CopyDone(Message):
+class CopyDone(Message, kind="copy_done"):
     """The target prefill worker of a block copy stored ``blocks`` of them in its prefix cache
     (0 and ``error`` when none arrived or they were bad)."""
 
-    TYPE = "copy_done"
     request_id: str  # the request the copy was planned for
     worker_id: str
     blocks: int
@@ -143,7 +134,6 @@ class CopyDone(Message):
 # -- control: router -> worker -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
 class _PromptRequest(Message):
     """A request's prompt and sampling parameters (ipc/wire.py's params_to_wire)."""
 
@@ -152,9 +142,7 @@ class _PromptRequest(Message):
     params: dict
 
 
-@dataclass(frozen=True)
-class DecodeRequest(_PromptRequest):
-    TYPE = "decode_request"
+class DecodeRequest(_PromptRequest, kind="decode_request"):
     deadline_s: float  # seconds the transfer may take before the failure policy applies
     # The prefill worker placed with it (its Register's pid and host): over shared memory the
     # decode worker frees the request's staging area as soon as that process is gone.
@@ -162,9 +150,7 @@ class DecodeRequest(_PromptRequest):
     sender_host: str = ""
 
 
-@dataclass(frozen=True)
-class PrefillRequest(_PromptRequest):
-    TYPE = "prefill_request"
+class PrefillRequest(_PromptRequest, kind="prefill_request"):
     decode_id: str
     kv_address: str
     transport: str  # "shm" | "tcp"
@@ -176,44 +162,38 @@ class PrefillRequest(_PromptRequest):
     peer_base: int = 0  # mooncake: its staging arena's address
 
 
-@dataclass(frozen=True)
-class CopyBlocks(Message):
+class CopyBlocks(Message, kind="copy_blocks"):
     """To the source prefill worker: send the cached blocks ``start_block..`` of the prefix
     ``token_ids`` (whole blocks) to the prefill worker whose copy endpoint is ``dst_address``
     (hot-prefix replication, planned by the Conductor)."""
 
-    TYPE = "copy_blocks"
     request_id: str
     token_ids: list[int]
     start_block: int
     dst_address: str
 
 
-@dataclass(frozen=True)
-class Abort(Message):
-    TYPE = "abort"
+class Abort(Message, kind="abort"):
+    """The client gave up on the request: drop it and free what it holds."""
+
     request_id: str
 
 
-@dataclass(frozen=True)
-class FirstTokens(Message):
+class FirstTokens(Message, kind="first_tokens"):
     """To the decode worker: the first token of each choice, as the router relayed them from the
     prefill worker (its ``Outputs`` entries). If the KV transfer then fails before KVDone
     arrives, the decode worker recomputes from these tokens instead of sampling its own first
     token, which the client has not seen."""
 
-    TYPE = "first_tokens"
     request_id: str
     outputs: list[dict]
 
 
-@dataclass(frozen=True)
-class SourceGone(Message):
+class SourceGone(Message, kind="source_gone"):
     """To the decode worker: the prefill worker sending request_id's KV died (the router saw
     its heartbeats stop). A transfer still under way fails at once instead of waiting out its
     deadline; on one host the decode worker sees the process go by itself."""
 
-    TYPE = "source_gone"
     request_id: str
     worker_id: str
 
@@ -221,11 +201,9 @@ class SourceGone(Message):
 # -- KV: prefill -> decode ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class KVLayer(Message):
+class KVLayer(Message, kind="kv_layer"):
     """Tokens [start, end) of one layer; over TCP two frames follow (K rows, V rows)."""
 
-    TYPE = "kv_layer"
     request_id: str
     layer: int
     start: int
@@ -237,14 +215,12 @@ class KVLayer(Message):
         return 2 if self.inline else 0
 
 
-@dataclass(frozen=True)
-class KVDone(Message):
+class KVDone(Message, kind="kv_done"):
     """Every layer of every chunk was sent. ``firsts``: per choice the first token, sampled on
     the prefill side, and the state that continues it: ``{"index", "token", "logprob",
     "finish_reason", "stop_reason", "text", "sent_text_len", "text_limit", "generator"}``
     (``generator``: its state follows as the next raw frame)."""
 
-    TYPE = "kv_done"
     request_id: str
     num_tokens: int
     num_layers: int
@@ -255,9 +231,9 @@ class KVDone(Message):
         return sum(1 for f in self.firsts if isinstance(f, dict) and f.get("generator"))
 
 
-@dataclass(frozen=True)
-class KVAbort(Message):
-    TYPE = "kv_abort"
+class KVAbort(Message, kind="kv_abort"):
+    """The prefill worker gave up sending the request's KV (``reason`` says why)."""
+
     request_id: str
     reason: str
 
@@ -265,13 +241,11 @@ class KVAbort(Message):
 # -- blocks: prefill -> prefill ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class BlockData(Message):
+class BlockData(Message, kind="block_data"):
     """Blocks ``start_block .. start_block + num_blocks`` of the prefix ``token_ids`` (the target
     recomputes their chained hashes from the tokens); one raw frame of their KV, laid out as the
     paged cache's [layers, 2, num_blocks, block_size, kv_heads, head_dim], when num_blocks > 0."""
 
-    TYPE = "block_data"
     request_id: str
     worker_id: str  # the source
     token_ids: list[int]
@@ -284,7 +258,7 @@ class BlockData(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    cls.TYPE: cls
+    cls.KIND: cls
     for cls in (
         Register,
         Heartbeat,

@@ -23,7 +23,7 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import msgpack
 
@@ -72,11 +72,20 @@ class Range:
         return f"is {_short(value)}, must be in [{self.lo}, {self.hi}]"
 
 
+@typing.dataclass_transform(kw_only_default=False, field_specifiers=(field,))
 @dataclass(frozen=True)
 class Message:
-    """A message of a schema: subclass it as a frozen dataclass."""
+    """A message of a schema. A subclass is a frozen dataclass without a decorator, and names its
+    kind in its class statement: ``class Abort(Message, kind="abort"):``."""
 
+    KIND: ClassVar[str] = ""
     frames: tuple[Buffer, ...] = field(default=(), kw_only=True)
+
+    def __init_subclass__(cls, kind: str = "", **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind:
+            cls.KIND = kind
+        dataclass(frozen=True)(cls)
 
     def expected_frames(self) -> int:
         """How many data frames follow the header."""

@@ -35,8 +35,8 @@ passes, so a client that dies mid-copy never pins a slot for good.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Annotated, ClassVar
+from dataclasses import field
+from typing import Annotated
 
 from engine.ipc import codec
 from engine.ipc.codec import Len, Range
@@ -63,13 +63,14 @@ class ProtocolError(codec.CodecError):
     """A message that does not follow the protocol; the text names the field and the limit."""
 
 
-@dataclass(frozen=True)
 class Message(codec.Message):
-    OP: ClassVar[str] = ""
+    @property
+    def OP(self) -> str:  # noqa: N802 (the kind, by the name the service's code reads)
+        return self.KIND
+
     id: MsgId = 0
 
 
-@dataclass(frozen=True)
 class _KeysRequest(Message):
     """A request about some keys of one namespace."""
 
@@ -77,9 +78,7 @@ class _KeysRequest(Message):
     keys: Keys = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Hello(Message):
-    OP = "hello"
+class Hello(Message, kind="hello"):
     model_digest: str = ""
     dtype: str = ""
     block_size: int = 0
@@ -90,9 +89,7 @@ class Hello(Message):
     version: int = PROTOCOL_VERSION
 
 
-@dataclass(frozen=True)
-class HelloOk(Message):
-    OP = "hello_ok"
+class HelloOk(Message, kind="hello_ok"):
     block_bytes: int = 0
     shm_name: str = ""  # the namespace's DRAM arena ("" if the service has none)
     arena_bytes: int = 0
@@ -103,44 +100,36 @@ class HelloOk(Message):
     source: str = ""  # "pool@HOST:PORT", as in the events
 
 
-@dataclass(frozen=True)
-class Exists(_KeysRequest):
-    OP = "exists"
+class Exists(_KeysRequest, kind="exists"):
+    """-> ``exists_ok``: how many of the keys, from the first, the pool holds."""
 
 
-@dataclass(frozen=True)
-class ExistsOk(Message):
-    OP = "exists_ok"
+class ExistsOk(Message, kind="exists_ok"):
+    """The length of the prefix of the keys that the pool holds."""
+
     matched: int = 0
 
 
-@dataclass(frozen=True)
-class Get(_KeysRequest):
-    OP = "get"
+class Get(_KeysRequest, kind="get"):
     shm: bool = False
 
 
-@dataclass(frozen=True)
-class GetOk(Message):
+class GetOk(Message, kind="get_ok"):
     """``frames``: one record per INLINE offset, in order."""
 
-    OP = "get_ok"
     offsets: Ints = field(default_factory=list)
 
     def expected_frames(self) -> int:
         return self.offsets.count(INLINE)
 
 
-@dataclass(frozen=True)
-class Release(_KeysRequest):
-    OP = "release"
+class Release(_KeysRequest, kind="release"):
+    """The client is done with the leases ``get`` gave it -> ``ack``."""
 
 
-@dataclass(frozen=True)
-class Put(_KeysRequest):
+class Put(_KeysRequest, kind="put"):
     """``frames``: one record (header + payload) per key."""
 
-    OP = "put"
     positions: Ints = field(default_factory=list)
 
     def expected_frames(self) -> int:
@@ -150,80 +139,68 @@ class Put(_KeysRequest):
         return _positions_problem(self)
 
 
-@dataclass(frozen=True)
-class PutOk(Message):
-    OP = "put_ok"
+class PutOk(Message, kind="put_ok"):
     stored: Bools = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Reserve(_KeysRequest):
-    OP = "reserve"
+class Reserve(_KeysRequest, kind="reserve"):
     positions: Ints = field(default_factory=list)
 
     def problem(self) -> str | None:
         return _positions_problem(self)
 
 
-@dataclass(frozen=True)
-class ReserveOk(Message):
-    OP = "reserve_ok"
+class ReserveOk(Message, kind="reserve_ok"):
     offsets: Ints = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Commit(_KeysRequest):
-    OP = "commit"
+class Commit(_KeysRequest, kind="commit"):
+    """The reserved slots of these keys are written: store them -> ``put_ok``."""
 
 
-@dataclass(frozen=True)
-class Abort(_KeysRequest):
-    OP = "abort"
+class Abort(_KeysRequest, kind="abort"):
+    """Give the reserved slots of these keys back, unwritten -> ``ack``."""
 
 
-@dataclass(frozen=True)
-class Remove(_KeysRequest):
-    OP = "remove"
+class Remove(_KeysRequest, kind="remove"):
+    """-> ``count_ok``: how many of the keys were removed."""
 
 
-@dataclass(frozen=True)
-class Clear(Message):
-    OP = "clear"
+class Clear(Message, kind="clear"):
+    """Drop every block of a namespace (empty: of every namespace) -> ``count_ok``."""
+
     namespace: AnyNamespace = b""
 
 
-@dataclass(frozen=True)
-class Stats(Message):
-    OP = "stats"
+class Stats(Message, kind="stats"):
+    """-> ``stats_ok``: the service's counters and each namespace's (or one namespace's)."""
+
     namespace: AnyNamespace = b""
 
 
-@dataclass(frozen=True)
-class CountOk(Message):
-    OP = "count_ok"
+class CountOk(Message, kind="count_ok"):
+    """How many blocks a ``remove`` or ``clear`` dropped."""
+
     count: int = 0
 
 
-@dataclass(frozen=True)
-class StatsOk(Message):
-    OP = "stats_ok"
+class StatsOk(Message, kind="stats_ok"):
     stats: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Ack(Message):
-    OP = "ack"
+class Ack(Message, kind="ack"):
+    """The request was done; nothing to say."""
 
 
-@dataclass(frozen=True)
-class Error(Message):
-    OP = "error"
+class Error(Message, kind="error"):
+    """The request was refused: ``error`` names the field and the limit, or the cause."""
+
     error: str = ""
 
 
 REQUESTS = (Hello, Exists, Get, Release, Put, Reserve, Commit, Abort, Remove, Clear, Stats)
 REPLIES = (HelloOk, ExistsOk, GetOk, PutOk, ReserveOk, CountOk, StatsOk, Ack, Error)
-MESSAGES = {cls.OP: cls for cls in REQUESTS + REPLIES}
+MESSAGES = {cls.KIND: cls for cls in REQUESTS + REPLIES}
 CODEC = codec.Codec(
     "op",
     MESSAGES,
