@@ -14,45 +14,38 @@ Socket roles (fixed):
   no frame over shared memory, where they already lie in the decode worker's staging area),
   ``KVDone`` (first tokens and sampler state; one raw frame per seeded generator), ``KVAbort``.
 
-Wire form: frame 0 is ``{"t": TYPE, field: value, ...}``; frames 1.. are the message's
-``frames``. ``decode`` checks everything a peer could get wrong (sizes, the type, every field's
-type, the number of frames) and raises ``MessageError`` naming it; it never raises anything else.
+Wire form (engine/ipc/codec.py): frame 0 is ``{"t": TYPE, field: value, ...}``; frames 1.. are
+the message's ``frames``. A field with a default may be left out. ``decode`` checks everything a
+peer could get wrong (sizes, the type, every field's type, unknown fields, the number of frames)
+and raises ``MessageError`` naming it; it never raises anything else.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import field
 
-import msgpack
+from engine.ipc import codec
 
 MAX_HEADER_BYTES = 1 << 20  # a header holds token ids (a long prompt is ~100k ints)
 MAX_FRAME_BYTES = 1 << 30  # one layer of one chunk of KV
 MAX_FRAMES = 64
 
 
-class MessageError(ValueError):
+class MessageError(codec.CodecError):
     """A frame that is not a valid message (the peer is told; nothing else is disturbed)."""
 
 
-@dataclass(frozen=True)
-class Message:
-    frames: tuple[bytes | memoryview, ...] = field(default=(), kw_only=True)
-
-    TYPE: typing.ClassVar[str] = ""
-
-    def expected_frames(self) -> int:
-        return 0
+class Message(codec.Message):
+    @property
+    def TYPE(self) -> str:  # noqa: N802 (the kind, by the name the cluster's code reads)
+        return self.KIND
 
 
 # -- control: worker -> router -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Register(Message):
-    TYPE = "register"
+class Register(Message, kind="register"):
     worker_id: str
     role: str  # "prefill" | "decode"
     pid: int
@@ -68,9 +61,7 @@ class Register(Message):
     copy_address: str = ""  # prefill: the PULL endpoint other prefill workers copy blocks to
 
 
-@dataclass(frozen=True)
-class Heartbeat(Message):
-    TYPE = "heartbeat"
+class Heartbeat(Message, kind="heartbeat"):
     worker_id: str
     state: str  # "up" | "draining"
     running: int
@@ -88,57 +79,52 @@ class Heartbeat(Message):
     step_tokens: float = 0.0
 
 
-@dataclass(frozen=True)
-class Goodbye(Message):
-    TYPE = "goodbye"
+class Goodbye(Message, kind="goodbye"):
+    """The worker leaves (drained or stopping): nothing more is placed on it."""
+
     worker_id: str
 
 
-@dataclass(frozen=True)
-class DecodeReady(Message):
-    TYPE = "decode_ready"
+class DecodeReady(Message, kind="decode_ready"):
+    """The decode worker's answer to ``DecodeRequest``: where the KV goes, or why not."""
+
     request_id: str
     offset: int  # of the request's staging area in the arena
     nbytes: int
     error: str | None = None  # staging full, draining...
 
 
-@dataclass(frozen=True)
-class Outputs(Message):
+class Outputs(Message, kind="outputs"):
     """Tokens of one request, per choice: ``{"index", "offset", "token_ids", "text_offset",
     "text", "logprobs", "finish_reason", "stop_reason"}``; offsets say where in the choice's
     tokens and text this delta starts, so a repeated delta (a recompute) is dropped."""
 
-    TYPE = "outputs"
     request_id: str
     worker_id: str
     outputs: list[dict]
     num_cached_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class TransferFailed(Message):
-    TYPE = "transfer_failed"
+class TransferFailed(Message, kind="transfer_failed"):
+    """The KV of a request did not arrive whole; ``recompute`` says what the decode worker does
+    about it."""
+
     request_id: str
     reason: str
     recompute: bool  # the decode worker prefills the prompt itself (policy "recompute")
 
 
-@dataclass(frozen=True)
-class RequestError(Message):
-    TYPE = "request_error"
+class RequestError(Message, kind="request_error"):
     request_id: str
     worker_id: str
     code: int  # HTTP-like: 400 bad input, 429/503 retry elsewhere, 500
     message: str
 
 
-@dataclass(frozen=True)
-class CopyDone(Message):
+class CopyDone(Message, kind="copy_done"):
     """The target prefill worker of a block copy stored ``blocks`` of them in its prefix cache
     (0 and ``error`` when none arrived or they were bad)."""
 
-    TYPE = "copy_done"
     request_id: str  # the request the copy was planned for
     worker_id: str
     blocks: int
@@ -148,12 +134,15 @@ class CopyDone(Message):
 # -- control: router -> worker -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class DecodeRequest(Message):
-    TYPE = "decode_request"
+class _PromptRequest(Message):
+    """A request's prompt and sampling parameters (ipc/wire.py's params_to_wire)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: dict
+
+
+class DecodeRequest(_PromptRequest, kind="decode_request"):
     deadline_s: float  # seconds the transfer may take before the failure policy applies
     # The prefill worker placed with it (its Register's pid and host): over shared memory the
     # decode worker frees the request's staging area as soon as that process is gone.
@@ -161,12 +150,7 @@ class DecodeRequest(Message):
     sender_host: str = ""
 
 
-@dataclass(frozen=True)
-class PrefillRequest(Message):
-    TYPE = "prefill_request"
-    request_id: str
-    prompt_token_ids: list[int]
-    params: dict
+class PrefillRequest(_PromptRequest, kind="prefill_request"):
     decode_id: str
     kv_address: str
     transport: str  # "shm" | "tcp"
@@ -178,44 +162,38 @@ class PrefillRequest(Message):
     peer_base: int = 0  # mooncake: its staging arena's address
 
 
-@dataclass(frozen=True)
-class CopyBlocks(Message):
+class CopyBlocks(Message, kind="copy_blocks"):
     """To the source prefill worker: send the cached blocks ``start_block..`` of the prefix
     ``token_ids`` (whole blocks) to the prefill worker whose copy endpoint is ``dst_address``
     (hot-prefix replication, planned by the Conductor)."""
 
-    TYPE = "copy_blocks"
     request_id: str
     token_ids: list[int]
     start_block: int
     dst_address: str
 
 
-@dataclass(frozen=True)
-class Abort(Message):
-    TYPE = "abort"
+class Abort(Message, kind="abort"):
+    """The client gave up on the request: drop it and free what it holds."""
+
     request_id: str
 
 
-@dataclass(frozen=True)
-class FirstTokens(Message):
+class FirstTokens(Message, kind="first_tokens"):
     """To the decode worker: the first token of each choice, as the router relayed them from the
     prefill worker (its ``Outputs`` entries). If the KV transfer then fails before KVDone
     arrives, the decode worker recomputes from these tokens instead of sampling its own first
     token, which the client has not seen."""
 
-    TYPE = "first_tokens"
     request_id: str
     outputs: list[dict]
 
 
-@dataclass(frozen=True)
-class SourceGone(Message):
+class SourceGone(Message, kind="source_gone"):
     """To the decode worker: the prefill worker sending request_id's KV died (the router saw
     its heartbeats stop). A transfer still under way fails at once instead of waiting out its
     deadline; on one host the decode worker sees the process go by itself."""
 
-    TYPE = "source_gone"
     request_id: str
     worker_id: str
 
@@ -223,11 +201,9 @@ class SourceGone(Message):
 # -- KV: prefill -> decode ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class KVLayer(Message):
+class KVLayer(Message, kind="kv_layer"):
     """Tokens [start, end) of one layer; over TCP two frames follow (K rows, V rows)."""
 
-    TYPE = "kv_layer"
     request_id: str
     layer: int
     start: int
@@ -239,14 +215,12 @@ class KVLayer(Message):
         return 2 if self.inline else 0
 
 
-@dataclass(frozen=True)
-class KVDone(Message):
+class KVDone(Message, kind="kv_done"):
     """Every layer of every chunk was sent. ``firsts``: per choice the first token, sampled on
     the prefill side, and the state that continues it: ``{"index", "token", "logprob",
     "finish_reason", "stop_reason", "text", "sent_text_len", "text_limit", "generator"}``
     (``generator``: its state follows as the next raw frame)."""
 
-    TYPE = "kv_done"
     request_id: str
     num_tokens: int
     num_layers: int
@@ -257,9 +231,9 @@ class KVDone(Message):
         return sum(1 for f in self.firsts if isinstance(f, dict) and f.get("generator"))
 
 
-@dataclass(frozen=True)
-class KVAbort(Message):
-    TYPE = "kv_abort"
+class KVAbort(Message, kind="kv_abort"):
+    """The prefill worker gave up sending the request's KV (``reason`` says why)."""
+
     request_id: str
     reason: str
 
@@ -267,13 +241,11 @@ class KVAbort(Message):
 # -- blocks: prefill -> prefill ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class BlockData(Message):
+class BlockData(Message, kind="block_data"):
     """Blocks ``start_block .. start_block + num_blocks`` of the prefix ``token_ids`` (the target
     recomputes their chained hashes from the tokens); one raw frame of their KV, laid out as the
     paged cache's [layers, 2, num_blocks, block_size, kv_heads, head_dim], when num_blocks > 0."""
 
-    TYPE = "block_data"
     request_id: str
     worker_id: str  # the source
     token_ids: list[int]
@@ -286,7 +258,7 @@ class BlockData(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    cls.TYPE: cls
+    cls.KIND: cls
     for cls in (
         Register,
         Heartbeat,
@@ -310,100 +282,21 @@ MESSAGES: dict[str, type[Message]] = {
 }
 
 
-# -- encoding ----------------------------------------------------------------------------------
+CODEC = codec.Codec(
+    "t",
+    MESSAGES,
+    error=MessageError,
+    max_header_bytes=MAX_HEADER_BYTES,
+    max_frame_bytes=MAX_FRAME_BYTES,
+    max_frames=MAX_FRAMES,
+)
 
 
 def encode(msg: Message) -> list:
-    header = {"t": msg.TYPE}
-    for f in dataclasses.fields(msg):
-        if f.name != "frames":
-            header[f.name] = getattr(msg, f.name)
-    return [msgpack.packb(header, use_bin_type=True), *msg.frames]
+    return CODEC.encode(msg)
 
 
-def decode(frames: list, check_frames: bool = True) -> Message:
+def decode(frames: Sequence, check_frames: bool = True) -> Message:
     """A message from raw frames; MessageError naming the problem if they are not one.
     ``check_frames=False`` decodes a header alone (its data frames are read separately)."""
-    if not frames:
-        raise MessageError("empty message")
-    if len(frames) > MAX_FRAMES:
-        raise MessageError(f"too many frames: {len(frames)} > {MAX_FRAMES}")
-    head = frames[0]
-    if len(head) > MAX_HEADER_BYTES:
-        raise MessageError(f"header of {len(head)} bytes is over the limit of {MAX_HEADER_BYTES}")
-    for i, f in enumerate(frames[1:], 1):
-        if len(f) > MAX_FRAME_BYTES:
-            raise MessageError(f"frame {i} of {len(f)} bytes is over the limit {MAX_FRAME_BYTES}")
-    try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
-    except Exception as exc:  # msgpack raises several types for garbage
-        raise MessageError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(header, dict):
-        raise MessageError(f"header must be a map, got {type(header).__name__}")
-    kind = header.get("t")
-    cls = MESSAGES.get(kind) if isinstance(kind, str) else None  # a list is unhashable
-    if cls is None:
-        raise MessageError(f"unknown message type {str(kind)[:60]!r}")
-    hints = _hints(cls)
-    kwargs = {}
-    for name, hint in hints.items():
-        if name not in header:
-            if _has_default(cls, name):
-                continue
-            raise MessageError(f"{cls.TYPE}: field {name!r} is missing")
-        value = header[name]
-        if not _check(value, hint):
-            raise MessageError(
-                f"{cls.TYPE}: field {name!r} must be {_describe(hint)}, got {type(value).__name__}"
-            )
-        kwargs[name] = value
-    extra = set(header) - set(hints) - {"t"}
-    if extra:
-        raise MessageError(f"{cls.TYPE}: unknown fields {sorted(map(str, extra))}")
-    msg = cls(**kwargs, frames=tuple(frames[1:]))
-    if check_frames and len(msg.frames) != msg.expected_frames():
-        raise MessageError(
-            f"{cls.TYPE}: expected {msg.expected_frames()} data frame(s), got {len(msg.frames)}"
-        )
-    return msg
-
-
-_HINTS: dict[type, dict[str, object]] = {}
-
-
-def _hints(cls: type) -> dict[str, object]:
-    if cls not in _HINTS:
-        hints = typing.get_type_hints(cls)
-        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "frames"}
-    return _HINTS[cls]
-
-
-def _has_default(cls: type, name: str) -> bool:
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-
-
-def _check(value: object, hint: object) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_check(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is dict:
-        return isinstance(value, dict)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_check(v, item) for v in value)
-    raise TypeError(f"unsupported field type {hint!r}")
-
-
-def _describe(hint: object) -> str:
-    return getattr(hint, "__name__", None) or str(hint)
+    return CODEC.decode(frames, check_frames)  # type: ignore[return-value]

@@ -2,18 +2,7 @@
 ``AsyncRPCClient`` (asyncio). Both talk msgpack over a DEALER socket, never pickle, and put a
 deadline on every wait.
 
-Wire protocol: every message is one msgpack map in one frame. A request carries ``id`` (a call
-id the client picks, echoed in every reply) and ``op``:
-
-- ``generate`` / ``stream``: ``prompt`` (text or token ids), ``params`` (SamplingParams fields),
-  optional ``request_id``, ``cache_salt``, ``timeout`` (seconds; the server aborts after it).
-  ``generate`` answers one ``result``; ``stream`` answers ``chunk`` messages (deltas) and then
-  one ``done`` with the usage.
-- ``abort`` (``request_id``; only the caller's own requests), ``health``, ``metrics``: one
-  ``ok`` reply.
-
-Any failure is one ``error`` reply, ``{"error": {"message", "type", "param", "code"}}`` with
-HTTP-like codes (400 bad input, 429 overloaded, 503 shutting down, 408 deadline passed).
+The protocol, and its messages, are in engine/server/rpc_messages.py.
 """
 
 from __future__ import annotations
@@ -26,7 +15,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -34,12 +23,15 @@ import zmq
 import zmq.asyncio
 
 from engine.ipc import curve
+from engine.ipc.codec import CodecError
+from engine.ipc.wire import params_to_wire
+from engine.sampling_params import SamplingParams
+from engine.server import rpc_messages as r
+from engine.server.rpc_messages import MAX_MESSAGE_BYTES, OPS  # noqa: F401
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_S = 120.0
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server answers larger requests with a 413
 MAX_BUFFERED = 10_000  # replies held for one call before the call fails (a consumer too slow)
-OPS = ("generate", "stream", "abort", "health", "metrics")
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -98,8 +90,8 @@ class RPCError(RuntimeError):
         self.message, self.code, self.type, self.param = message, code, type, param
 
     @classmethod
-    def from_reply(cls, reply: dict) -> RPCError:
-        err = reply.get("error") or {}
+    def from_reply(cls, reply: r.Error) -> RPCError:
+        err = reply.error
         code = err.get("code", 500)
         kind = RPCTimeoutError if code == 408 else cls
         return kind(str(err.get("message")), code, str(err.get("type")), err.get("param"))
@@ -123,7 +115,9 @@ def unpack(data: bytes) -> Any:
 def params_dict(params=None, **kwargs) -> dict:
     """SamplingParams (or a dict) plus keyword overrides, as plain msgpack-able values."""
     out: dict = {}
-    if params is not None:
+    if isinstance(params, SamplingParams):
+        out = params_to_wire(params)
+    elif params is not None:
         if dataclasses.is_dataclass(params):
             out = {
                 f.name: getattr(params, f.name)
@@ -150,17 +144,17 @@ def _completion(d: dict) -> Completion:
     )
 
 
-def _result(reply: dict) -> GenerateResult:
-    u = reply.get("usage") or {}
+def _result(reply: r.Result) -> GenerateResult:
+    u = reply.usage
     return GenerateResult(
-        reply["request_id"],
-        [_completion(c) for c in reply["outputs"]],
+        reply.request_id,
+        [_completion(c) for c in reply.outputs],
         Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0), u.get("cached_tokens", 0)),
     )
 
 
-def _pack_request(msg: dict) -> bytes:
-    data = pack(msg)
+def _pack_request(msg: r.Request) -> bytes:
+    (data,) = r.REQUESTS.encode(msg)
     if len(data) > MAX_MESSAGE_BYTES:  # fail here rather than wait for the server's 413
         raise RPCError(
             f"a request must be at most {MAX_MESSAGE_BYTES} bytes, got {len(data)}",
@@ -175,23 +169,33 @@ def _unreachable(address: str) -> RPCError:
     return RPCError(f"cannot send to {address}: the server is not taking requests", 503)
 
 
-def _overflow_reply() -> dict:
+def _overflow_reply() -> r.Error:
     message = f"more than {MAX_BUFFERED} replies were buffered for one call; it was dropped"
-    return {"type": "error", "error": {"message": message, "type": "OverflowError", "code": 500}}
+    return r.Error(None, {"message": message, "type": "OverflowError", "code": 500})
 
 
-def _request(op: str, call_id: int, prompt, params, request_id, cache_salt, timeout) -> dict:
-    msg = {
-        "id": call_id,
-        "op": op,
-        "prompt": prompt,
-        "params": params,
-        "request_id": request_id or uuid.uuid4().hex,
-        "timeout": timeout,
+def _request(stream: bool, prompt, params, request_id, cache_salt, timeout) -> r.Generate:
+    kind = r.Stream if stream else r.Generate
+    request_id = request_id or uuid.uuid4().hex
+    return kind(
+        prompt=prompt, params=params, request_id=request_id, cache_salt=cache_salt, timeout=timeout
+    )
+
+
+def _read_reply(data: bytes) -> r.Reply | None:
+    """A reply, or None for a frame that is not one (the waiting call times out)."""
+    try:
+        return r.REPLIES.decode([data])  # type: ignore[return-value]
+    except CodecError:
+        return None
+
+
+def _ok_fields(reply: r.Ok) -> dict:
+    return {
+        f.name: getattr(reply, f.name)
+        for f in dataclasses.fields(reply)
+        if f.name not in ("id", "frames") and getattr(reply, f.name) is not None
     }
-    if cache_salt is not None:
-        msg["cache_salt"] = cache_salt
-    return msg
 
 
 # -- blocking client -------------------------------------------------------------------------------
@@ -228,7 +232,7 @@ class RPCClient:
     ) -> GenerateResult:
         timeout = timeout or self.timeout
         msg = _request(
-            "generate", 0, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
+            False, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
         )
         return _result(self._call(msg, timeout))
 
@@ -237,71 +241,67 @@ class RPCClient:
     ) -> Iterator[StreamDelta]:
         """Yield deltas as they come; closing the iterator early aborts the request."""
         timeout = timeout or self.timeout
-        msg = _request(
-            "stream", 0, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
-        )
+        msg = _request(True, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout)
         call_id, box = self._send(msg)
         deadline = time.monotonic() + timeout
         done = False
         try:
             while True:
                 reply = self._recv(box, deadline)
-                if reply["type"] == "done":
+                if isinstance(reply, r.Done):
                     done = True
                     return
-                if reply["type"] == "error":
+                if isinstance(reply, r.Error):
                     done = True
                     raise RPCError.from_reply(reply)
-                yield StreamDelta(reply["request_id"], [_completion(c) for c in reply["outputs"]])
+                if isinstance(reply, r.Chunk):
+                    yield StreamDelta(reply.request_id, [_completion(c) for c in reply.outputs])
         finally:
             self._inbox.pop(call_id, None)
             if not done:
-                self._fire({"op": "abort", "request_id": msg["request_id"]})
+                self._fire(r.Abort(request_id=msg.request_id))
 
     def abort(self, request_id: str, timeout: float | None = None) -> bool:
-        return bool(self._call({"op": "abort", "request_id": request_id}, timeout)["aborted"])
+        return bool(self._call(r.Abort(request_id=request_id), timeout).aborted)
 
     def health(self, timeout: float | None = None) -> dict:
-        reply = self._call({"op": "health"}, timeout)
-        return {k: v for k, v in reply.items() if k not in ("id", "type")}
+        return _ok_fields(self._call(r.Health(), timeout))
 
     def metrics(self, timeout: float | None = None) -> dict:
-        return self._call({"op": "metrics"}, timeout)["metrics"]
+        return self._call(r.Metrics(), timeout).metrics
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _send(self, msg: dict) -> tuple[int, deque]:
+    def _send(self, msg: r.Request) -> tuple[int, deque]:
         with self._lock:
             call_id = next(self._ids)
-            msg["id"] = call_id
             box: deque = deque()
             try:
-                self._sock.send(_pack_request(msg), flags=zmq.NOBLOCK)
+                self._sock.send(_pack_request(replace(msg, id=call_id)), flags=zmq.NOBLOCK)
             except zmq.Again:
                 raise _unreachable(self.address) from None
             self._inbox[call_id] = box
         return call_id, box
 
-    def _fire(self, msg: dict) -> None:
+    def _fire(self, msg: r.Request) -> None:
         """Send without waiting for the reply (best effort: aborts on the way out)."""
         with self._lock:
-            msg["id"] = next(self._ids)
             try:
-                self._sock.send(pack(msg), flags=zmq.NOBLOCK)
+                self._sock.send(_pack_request(replace(msg, id=next(self._ids))), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 
-    def _call(self, msg: dict, timeout: float | None) -> dict:
+    def _call(self, msg: r.Request, timeout: float | None):
         call_id, box = self._send(msg)
         try:
             reply = self._recv(box, time.monotonic() + (timeout or self.timeout))
         finally:
             self._inbox.pop(call_id, None)
-        if reply["type"] == "error":
+        if isinstance(reply, r.Error):
             raise RPCError.from_reply(reply)
         return reply
 
-    def _recv(self, box: deque, deadline: float) -> dict:
+    def _recv(self, box: deque, deadline: float) -> r.Reply:
         while True:
             if box:
                 return box.popleft()
@@ -314,18 +314,14 @@ class RPCClient:
                 if not self._sock.poll(min(remaining, 0.05) * 1000, zmq.POLLIN):
                     continue
                 data = self._sock.recv()
-            try:
-                reply = unpack(data)
-            except Exception:
-                continue  # not a reply we can read; the waiting call times out
-            call = reply.get("id") if isinstance(reply, dict) else None
-            target = self._inbox.get(call)
+            reply = _read_reply(data)
+            target = None if reply is None else self._inbox.get(reply.id)
             if target is None:
                 continue  # a call that was given up on, or not a reply
             if len(target) >= MAX_BUFFERED:  # its reader is too slow: fail that call
                 target.clear()
                 target.append(_overflow_reply())
-                self._inbox.pop(call, None)
+                self._inbox.pop(reply.id, None)
                 continue
             target.append(reply)
 
@@ -365,7 +361,7 @@ class AsyncRPCClient:
     ) -> GenerateResult:
         timeout = timeout or self.timeout
         msg = _request(
-            "generate", 0, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
+            False, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
         )
         return _result(await self._call(msg, timeout))
 
@@ -373,71 +369,67 @@ class AsyncRPCClient:
         self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None, **kwargs
     ) -> AsyncIterator[StreamDelta]:
         timeout = timeout or self.timeout
-        msg = _request(
-            "stream", 0, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
-        )
+        msg = _request(True, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout)
         call_id, queue = await self._send(msg)
         deadline = time.monotonic() + timeout
         done = False
         try:
             while True:
                 reply = await self._recv(queue, deadline)
-                if reply["type"] == "done":
+                if isinstance(reply, r.Done):
                     done = True
                     return
-                if reply["type"] == "error":
+                if isinstance(reply, r.Error):
                     done = True
                     raise RPCError.from_reply(reply)
-                yield StreamDelta(reply["request_id"], [_completion(c) for c in reply["outputs"]])
+                if isinstance(reply, r.Chunk):
+                    yield StreamDelta(reply.request_id, [_completion(c) for c in reply.outputs])
         finally:
             self._inbox.pop(call_id, None)
             if not done:
-                await self._fire({"op": "abort", "request_id": msg["request_id"]})
+                await self._fire(r.Abort(request_id=msg.request_id))
 
     async def abort(self, request_id: str, timeout: float | None = None) -> bool:
-        reply = await self._call({"op": "abort", "request_id": request_id}, timeout)
-        return bool(reply["aborted"])
+        reply = await self._call(r.Abort(request_id=request_id), timeout)
+        return bool(reply.aborted)
 
     async def health(self, timeout: float | None = None) -> dict:
-        reply = await self._call({"op": "health"}, timeout)
-        return {k: v for k, v in reply.items() if k not in ("id", "type")}
+        return _ok_fields(await self._call(r.Health(), timeout))
 
     async def metrics(self, timeout: float | None = None) -> dict:
-        return (await self._call({"op": "metrics"}, timeout))["metrics"]
+        return (await self._call(r.Metrics(), timeout)).metrics
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    async def _send(self, msg: dict) -> tuple[int, asyncio.Queue]:
+    async def _send(self, msg: r.Request) -> tuple[int, asyncio.Queue]:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read())
         call_id = next(self._ids)
-        msg["id"] = call_id
         queue: asyncio.Queue = asyncio.Queue(MAX_BUFFERED)
         try:
-            await self._sock.send(_pack_request(msg), flags=zmq.NOBLOCK)
+            await self._sock.send(_pack_request(replace(msg, id=call_id)), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise _unreachable(self.address) from None
         self._inbox[call_id] = queue
         return call_id, queue
 
-    async def _fire(self, msg: dict) -> None:
-        msg["id"] = next(self._ids)
+    async def _fire(self, msg: r.Request) -> None:
         try:
-            await self._sock.send(pack(msg), flags=zmq.NOBLOCK)
+            await self._sock.send(_pack_request(replace(msg, id=next(self._ids))), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
-    async def _call(self, msg: dict, timeout: float | None) -> dict:
+    async def _call(self, msg: r.Request, timeout: float | None):
         call_id, queue = await self._send(msg)
         try:
             reply = await self._recv(queue, time.monotonic() + (timeout or self.timeout))
         finally:
             self._inbox.pop(call_id, None)
-        if reply["type"] == "error":
+        if isinstance(reply, r.Error):
             raise RPCError.from_reply(reply)
         return reply
 
-    async def _recv(self, queue: asyncio.Queue, deadline: float) -> dict:
+    async def _recv(self, queue: asyncio.Queue, deadline: float) -> r.Reply:
         remaining = deadline - time.monotonic()
         try:
             reply = await asyncio.wait_for(queue.get(), max(remaining, 0.0))
@@ -451,19 +443,14 @@ class AsyncRPCClient:
 
     async def _read(self) -> None:
         while True:
-            data = await self._sock.recv()
-            try:
-                reply = unpack(data)
-            except Exception:
-                continue  # not ours to crash on; the waiting call times out
-            call = reply.get("id") if isinstance(reply, dict) else None
-            queue = self._inbox.get(call)
+            reply = _read_reply(await self._sock.recv())
+            queue = None if reply is None else self._inbox.get(reply.id)
             if queue is None:
-                continue
+                continue  # not a reply, or one for a call that was given up on
             try:
                 queue.put_nowait(reply)
             except asyncio.QueueFull:  # its reader is too slow: fail that call
-                self._inbox.pop(call, None)
+                self._inbox.pop(reply.id, None)
                 while not queue.empty():
                     queue.get_nowait()
                 queue.put_nowait(_overflow_reply())

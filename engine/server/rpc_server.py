@@ -1,5 +1,5 @@
-"""The ZeroMQ RPC server: a ROUTER socket, msgpack messages, streamed replies (see
-engine/server/rpc_client.py for the protocol and the clients).
+"""The ZeroMQ RPC server: a ROUTER socket, msgpack messages, streamed replies (the protocol is
+engine/server/rpc_messages.py; the clients are engine/server/rpc_client.py).
 
 All socket IO runs on one asyncio loop (zmq.asyncio); each generate/stream call is a task that
 drives one engine request. Replies are sent without blocking: a peer that is gone or reads too
@@ -20,21 +20,23 @@ import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
 
-import msgpack
 import zmq
 import zmq.asyncio
 
 from engine.ipc import curve
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.ipc.codec import CodecError, problem
+from engine.ipc.wire import output_to_wire, params_from_wire
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.server import rpc_messages as r
 from engine.server.errors import APIError, to_api_error
 from engine.server.openai_protocol import MAX_N
-from engine.server.rpc_client import DEFAULT_ADDRESS, OPS, pack
+from engine.server.rpc_client import DEFAULT_ADDRESS
 from engine.server.tokenize_pool import Offloader, check_prompt_chars
 
 logger = logging.getLogger("engine.server.rpc")
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a larger request gets a 413 error reply
+MAX_MESSAGE_BYTES = r.MAX_MESSAGE_BYTES  # a larger request gets a 413 error reply
 HARD_MAX_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES  # zmq drops a peer that sends more (no reply)
 # Replies queued per peer before the peer counts as too slow and its calls are aborted. With
 # ids and request ids bounded (MAX_ID_CHARS), a stream chunk is a few hundred bytes, so a peer
@@ -42,9 +44,7 @@ HARD_MAX_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES  # zmq drops a peer that sends mo
 # huge n can be larger; it is one message).
 SEND_HWM = 1000
 RECV_HWM = 1000  # requests queued before the receive loop takes them (it never blocks long)
-MAX_ID_CHARS = 256
-_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"extra"}
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+MAX_ID_CHARS = r.MAX_ID_CHARS
 
 
 @dataclass
@@ -58,77 +58,27 @@ class _Call:
     expired: bool = False
 
 
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def params_from_wire(raw) -> SamplingParams:
-    """SamplingParams from an untrusted map: unknown keys and wrong types are 400s naming the
-    field and the type it needs."""
-    if raw is None:
-        return SamplingParams()
-    if not isinstance(raw, dict):
-        raise ValueError(f"params must be a map, got {type(raw).__name__}")
-    unknown = sorted(str(k) for k in raw if k not in _PARAM_FIELDS)
-    if unknown:
-        raise ValueError(f"params has unknown fields: {', '.join(unknown)}")
-    if raw.get("prompt_logprobs") is not None:
+def rpc_params(raw) -> SamplingParams:
+    """SamplingParams from a request's untrusted map (engine/ipc/wire.py checks the fields and
+    their types), less what the RPC API refuses: prompt logprobs, n over MAX_N, and a seed that
+    the choices' seeds (seed + i) would carry past 64 bits."""
+    if isinstance(raw, dict) and raw.get("prompt_logprobs") is not None:
         # The RPC result has no place for them yet; refused rather than dropped.
         raise ValueError("prompt_logprobs is not supported over RPC (the HTTP server has it)")
-    for name, value in raw.items():
-        if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
-            continue
-        if name in _BOOL_FIELDS and not isinstance(value, bool):
-            raise ValueError(f"{name} must be a boolean, got {value!r} ({type(value).__name__})")
-        if name in _INT_FIELDS and not _is_int(value):
-            raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-        if name in _FLOAT_FIELDS and not (_is_int(value) or isinstance(value, float)):
-            raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if raw.get("n", 1) > MAX_N:
-        raise ValueError(f"n must be <= {MAX_N}, got {raw['n']}")
-    seed = raw.get("seed")
+    params = params_from_wire(raw)
+    if params.n > MAX_N:
+        raise ValueError(f"n must be <= {MAX_N}, got {params.n}")
+    seed = params.seed
     if seed is not None and not -(2**63) <= seed <= 2**63 - 1 - MAX_N:
         raise ValueError(f"seed must be in [-2**63, 2**63 - {MAX_N + 1}], got {seed}")
-    stop = raw.get("stop", [])
-    if not isinstance(stop, str) and not (
-        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
-    ):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-    ids = raw.get("stop_token_ids", [])
-    if not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
-        raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
-    return SamplingParams(**raw)
+    return params
 
 
-def _valid_id(call_id) -> bool:
-    if call_id is None or (isinstance(call_id, int) and not isinstance(call_id, bool)):
-        return True
-    return isinstance(call_id, str) and len(call_id) <= MAX_ID_CHARS
-
-
-def _wire_output(c: CompletionOutput, delta: bool) -> dict:
-    lps = c.new_logprobs if delta else c.logprobs
-    return {
-        "index": c.index,
-        "text": c.new_text if delta else c.text,
-        "token_ids": list(c.new_token_ids if delta else c.token_ids),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-        "logprobs": None
-        if lps is None
-        else [[lp.token_id, lp.logprob, [[t, v] for t, v in lp.top.items()]] for lp in lps],
-    }
+def _echo_id(header: dict | None):
+    """The call id to put in an error reply: the request's, unless it is not a valid one
+    (echoing it back would amplify what the peer sent)."""
+    call_id = header.get("id") if isinstance(header, dict) else None
+    return call_id if problem(call_id, r.CallId) is None else None
 
 
 def _usage(out: RequestOutput | None) -> dict:
@@ -244,70 +194,45 @@ class RPCServer:
                 raise APIError(
                     413, f"a request must be at most {MAX_MESSAGE_BYTES} bytes, got {len(payload)}"
                 )
-            msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-            if not isinstance(msg, dict):
-                raise ValueError(f"a request must be a msgpack map, got {type(msg).__name__}")
-            call_id = msg.get("id")
-            if not _valid_id(call_id):
-                call_id = None  # echoing it back would amplify what the peer sent
-                raise APIError(
-                    400,
-                    f"id must be an integer or a string of at most {MAX_ID_CHARS} characters",
-                    "id",
-                )
-            op = msg.get("op")
-            if op not in OPS:
-                raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
-            if op in ("generate", "stream"):
-                self._start_call(peer, call_id, msg, stream=op == "stream")
-            elif op == "abort":
-                self._abort(peer, call_id, msg)
-            elif op == "health":
+            try:
+                msg = r.REQUESTS.decode([payload])
+            except CodecError as exc:
+                call_id = _echo_id(exc.header)
+                raise APIError(400, str(exc), exc.field) from None
+            call_id = msg.id
+            if isinstance(msg, r.Generate):
+                self._start_call(peer, msg)
+            elif isinstance(msg, r.Abort):
+                self._abort(peer, msg)
+            elif isinstance(msg, r.Health):
                 self._health(peer, call_id)
             else:
                 metrics = dataclasses.asdict(self.llm.metrics())
-                self._send(peer, {"id": call_id, "type": "ok", "metrics": metrics})
+                self._send(peer, r.Ok(call_id, metrics=metrics))
         except Exception as exc:
-            if isinstance(exc, msgpack.exceptions.StackError):
-                exc = ValueError("the message nests deeper than msgpack's limit (1024 levels)")
-            elif isinstance(exc, (msgpack.UnpackException, msgpack.ExtraData)):
-                why = str(exc) or type(exc).__name__
-                exc = ValueError(f"the frame is not a valid msgpack message: {why}")
-            elif isinstance(exc, (ValueError, TypeError)) and not str(exc):
+            if isinstance(exc, (ValueError, TypeError)) and not str(exc):
                 exc = ValueError(f"malformed request: {type(exc).__name__}")
             self._send_error(peer, call_id, to_api_error(exc))
 
-    def _start_call(self, peer, call_id, msg: dict, stream: bool) -> None:
+    def _start_call(self, peer, msg: r.Generate) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down")
         if len(self._calls) >= self.max_inflight:
             raise APIError(429, f"too many calls in flight ({self.max_inflight}); retry later")
-        prompt = msg.get("prompt")
-        if isinstance(prompt, list):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt must be a string or a list of integer token ids")
-        elif not isinstance(prompt, str):
-            raise ValueError("prompt must be a string or a list of integer token ids")
-        params = params_from_wire(msg.get("params"))
-        request_id = msg.get("request_id") or uuid.uuid4().hex
-        salt = msg.get("cache_salt")
-        if not isinstance(request_id, str) or len(request_id) > MAX_ID_CHARS:
-            raise ValueError(f"request_id must be a string of at most {MAX_ID_CHARS} characters")
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError("cache_salt must be a string")
-        timeout = msg.get("timeout")
-        if timeout is None:
-            timeout = self.default_timeout
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-            raise ValueError(f"timeout must be a number of seconds, got {timeout!r}")
+        params = rpc_params(msg.params)
+        request_id = msg.request_id or uuid.uuid4().hex
+        timeout = self.default_timeout if msg.timeout is None else msg.timeout
         if not (math.isfinite(timeout) and 0 < timeout <= self.max_timeout):
             raise ValueError(f"timeout must be in (0, {self.max_timeout}] seconds, got {timeout}")
         key = (peer[0], request_id)
         if key in self._calls:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        call = _Call(peer, call_id, request_id, f"rpc-{uuid.uuid4().hex}", stream)
+        stream = isinstance(msg, r.Stream)
+        call = _Call(peer, msg.id, request_id, f"rpc-{uuid.uuid4().hex}", stream)
         self._calls[key] = call
-        call.task = asyncio.ensure_future(self._run_call(key, call, prompt, params, salt))
+        call.task = asyncio.ensure_future(
+            self._run_call(key, call, msg.prompt, params, msg.cache_salt)
+        )
         loop = asyncio.get_running_loop()
         timer = loop.call_later(timeout, self._expire, call)
         call.task.add_done_callback(lambda _: timer.cancel())
@@ -332,19 +257,19 @@ class RPCServer:
                     if not call.stream:
                         continue
                     moved = [
-                        _wire_output(c, delta=True)
+                        output_to_wire(c)
                         for c in out.outputs
                         if c.new_token_ids or c.new_text or c.finish_reason
                     ]
-                    if moved and not self._send(call.peer, self._reply(call, "chunk", moved)):
+                    chunk = r.Chunk(call.call_id, call.request_id, moved)
+                    if moved and not self._send(call.peer, chunk):
                         return  # the peer is gone or stuck: closing gen aborts the request
             if call.stream:
-                self._send(call.peer, {**self._reply(call, "done"), "usage": _usage(last)})
+                self._send(call.peer, r.Done(call.call_id, call.request_id, _usage(last)))
             else:
-                outputs = [_wire_output(c, delta=False) for c in last.outputs] if last else []
-                self._send(
-                    call.peer, {**self._reply(call, "result", outputs), "usage": _usage(last)}
-                )
+                outputs = [output_to_wire(c, delta=False) for c in last.outputs] if last else []
+                reply = r.Result(call.call_id, call.request_id, outputs, _usage(last))
+                self._send(call.peer, reply)
         except asyncio.CancelledError:
             if not call.expired:
                 raise
@@ -354,45 +279,32 @@ class RPCServer:
         finally:
             self._calls.pop(key, None)
 
-    @staticmethod
-    def _reply(call: _Call, kind: str, outputs: list | None = None) -> dict:
-        msg = {"id": call.call_id, "type": kind, "request_id": call.request_id}
-        if outputs is not None:
-            msg["outputs"] = outputs
-        return msg
-
-    def _abort(self, peer, call_id, msg: dict) -> None:
-        request_id = msg.get("request_id")
-        if not isinstance(request_id, str):
-            raise ValueError("request_id must be a string")
-        call = self._calls.get((peer[0], request_id))
+    def _abort(self, peer, msg: r.Abort) -> None:
+        call = self._calls.get((peer[0], msg.request_id))
         if call is not None:
             asyncio.ensure_future(self.llm.abort(call.engine_id))
-        self._send(peer, {"id": call_id, "type": "ok", "aborted": call is not None})
+        self._send(peer, r.Ok(msg.id, aborted=call is not None))
 
     def _health(self, peer, call_id) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down")
         if not self.llm.is_healthy():
             raise APIError(503, "the engine is not running")
-        self._send(
-            peer,
-            {
-                "id": call_id,
-                "type": "ok",
-                "healthy": True,
-                "model": self.model_name,
-                "max_model_len": self.llm.max_model_len,
-                "num_calls": len(self._calls),
-            },
+        reply = r.Ok(
+            call_id,
+            healthy=True,
+            model=self.model_name,
+            max_model_len=self.llm.max_model_len,
+            num_calls=len(self._calls),
         )
+        self._send(peer, reply)
 
     # -- sending ----------------------------------------------------------------------------------
 
-    def _send(self, peer: tuple[bytes, ...], msg: dict) -> bool:
+    def _send(self, peer: tuple[bytes, ...], msg: r.Reply) -> bool:
         """Send without blocking; False (and the peer's calls aborted) if it cannot take it."""
         assert self._sock is not None
-        fut = self._sock.send_multipart([*peer, pack(msg)], flags=zmq.DONTWAIT)
+        fut = self._sock.send_multipart([*peer, *r.REPLIES.encode(msg)], flags=zmq.DONTWAIT)
         exc = fut.exception() if fut.done() else None
         if exc is None:
             return True
@@ -403,7 +315,7 @@ class RPCServer:
         return False
 
     def _send_error(self, peer, call_id, err: APIError) -> None:
-        self._send(peer, {"id": call_id, "type": "error", **err.body()})
+        self._send(peer, r.Error(call_id, err.body()["error"]))
 
 
 def check_address(address: str) -> None:

@@ -121,7 +121,7 @@ def header(**fields) -> bytes:
                     deadline_s=1.0,
                 )
             ],
-            "'prompt_token_ids' must be",
+            "'prompt_token_ids' item 1 must be int",
         ),
         (
             [

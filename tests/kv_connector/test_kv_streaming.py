@@ -17,7 +17,8 @@ import zmq
 from engines import make_engine, run_all
 
 from engine.cluster import messages as m
-from engine.cluster.worker.roles import DecodeRole, PrefillRole, params_to_wire
+from engine.cluster.worker.roles import DecodeRole, PrefillRole
+from engine.ipc.wire import params_to_wire
 from engine.kv_connector.receiver import KVReceiver
 from engine.kv_connector.sender import KVSender
 from engine.kv_connector.staging import KVLayout, StagingArena, checksum

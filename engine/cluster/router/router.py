@@ -34,11 +34,11 @@ import zmq
 from engine.async_llm import EngineDeadError, EngineShuttingDownError
 from engine.cluster import messages as m
 from engine.cluster.placement import Placement, RoundRobin, WorkerView
-from engine.cluster.worker.roles import params_to_wire
 from engine.core.llm_engine import LLMEngine
 from engine.core.metrics import EngineMetrics, MetricsSnapshot
 from engine.core.scheduler import QueueFullError
 from engine.ipc import curve
+from engine.ipc.wire import params_to_wire
 from engine.model.loader import open_checkpoint
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -732,7 +732,7 @@ class Router:
             self._retry(req, f"prefill worker {p.worker_id} is unreachable")
 
     def _apply(self, req: _Request, outputs: list[dict]) -> None:
-        from engine.cluster.worker.handoff import lp_from_wire
+        from engine.ipc.wire import logprob_from_wire as lp_from_wire
 
         for o in outputs:
             i = o.get("index")

@@ -17,26 +17,13 @@ from typing import NamedTuple
 
 from engine.core.llm_engine import FirstToken, LLMEngine
 from engine.core.request import Request
-from engine.outputs import CompletionOutput, TokenLogprob
+from engine.ipc.wire import logprob_from_wire, logprob_to_wire
 from engine.sampling_params import SamplingParams
 
 
 class Captured(NamedTuple):
     first: dict  # the KVDone "firsts" entry
     generator_state: bytes | None
-
-
-def lp_to_wire(lp: TokenLogprob | None) -> list | None:
-    if lp is None:
-        return None
-    return [lp.token_id, lp.logprob, [[t, v] for t, v in lp.top.items()]]
-
-
-def lp_from_wire(raw) -> TokenLogprob | None:
-    if raw is None:
-        return None
-    tid, value, top = raw
-    return TokenLogprob(int(tid), float(value), {int(t): float(v) for t, v in top})
 
 
 def capture(index: int, req: Request) -> Captured:
@@ -47,7 +34,7 @@ def capture(index: int, req: Request) -> Captured:
     first = {
         "index": index,
         "token": req.output_token_ids[0],
-        "logprob": lp_to_wire(lp),
+        "logprob": logprob_to_wire(lp),
         "finish_reason": req.finish_reason,
         "stop_reason": req.stop_reason,
         "text": text[: req.sent_text_len],
@@ -74,20 +61,6 @@ def first_output(first: dict) -> dict:
     }
 
 
-def wire_output(c: CompletionOutput) -> dict:
-    """A decode engine's delta as an ``Outputs`` entry, with its offsets."""
-    return {
-        "index": c.index,
-        "offset": len(c.token_ids) - len(c.new_token_ids),
-        "token_ids": list(c.new_token_ids),
-        "logprobs": None if c.new_logprobs is None else [lp_to_wire(lp) for lp in c.new_logprobs],
-        "text_offset": len(c.text) - len(c.new_text),
-        "text": c.new_text,
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    }
-
-
 def admit(
     engine: LLMEngine,
     request_id: str,
@@ -105,7 +78,7 @@ def admit(
     tokens = [
         FirstToken(
             first["token"],
-            lp_from_wire(first["logprob"]),
+            logprob_from_wire(first["logprob"]),
             first["sent_text_len"],
             next(states_iter) if first.get("generator") else None,
         )

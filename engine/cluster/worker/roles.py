@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cluster import messages as m
-from engine.cluster.worker.handoff import Captured, admit, capture, first_output, wire_output
+from engine.cluster.worker.handoff import Captured, admit, capture, first_output
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request
 from engine.core.scheduler import QueueFullError
+from engine.ipc.wire import output_to_wire, params_from_wire
 from engine.kv_connector.receiver import KVReceiver
 from engine.kv_connector.sender import KVSender, SendTarget
 from engine.kv_connector.staging import KVLayout
@@ -27,24 +28,6 @@ log = logging.getLogger(__name__)
 
 Emit = Callable[[m.Message], None]
 FAILURE_POLICIES = ("recompute", "fail")
-
-
-def params_from_wire(raw: dict) -> SamplingParams:
-    """SamplingParams from a router's map (the router validated it; this is the second check)."""
-    raw = dict(raw)
-    for name in ("stop", "stop_token_ids"):
-        if name in raw and isinstance(raw[name], list):
-            raw[name] = tuple(raw[name])
-    return SamplingParams(**raw)
-
-
-def params_to_wire(p: SamplingParams) -> dict:
-    from dataclasses import asdict
-
-    d = asdict(p)
-    d.pop("extra", None)
-    d["stop"], d["stop_token_ids"] = list(p.stop), list(p.stop_token_ids)
-    return d
 
 
 @dataclass
@@ -285,7 +268,7 @@ class DecodeRole:
             if out.request_id not in self.running:
                 continue
             moved = [
-                wire_output(c)
+                output_to_wire(c, offsets=True)
                 for c in out.outputs
                 if c.new_token_ids or c.new_text or c.finish_reason
             ]

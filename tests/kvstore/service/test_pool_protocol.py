@@ -109,7 +109,7 @@ def test_malformed_messages_raise_protocol_error(frames):
 
 
 def test_error_names_field_and_limit():
-    with pytest.raises(P.ProtocolError, match=rf"keys has {P.MAX_KEYS + 1} items.*{P.MAX_KEYS}"):
+    with pytest.raises(P.ProtocolError, match=rf"'keys' has {P.MAX_KEYS + 1} items.*{P.MAX_KEYS}"):
         P.decode(BAD["too many keys"])
 
 
