@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from cluster_checks import collect, wait_idle
 from engines import make_engine, run_all
 from server.serverutil import http_server
 
@@ -45,14 +46,6 @@ def reference():
     greedy = [o.outputs[0].token_ids for o in run_all(engine, prompts(), GREEDY)]
     seeded = run_all(engine, prompts()[:1], SEEDED)[0]
     return greedy, seeded
-
-
-async def collect(router, prompt, params, rid=None):
-    deltas, last = [], None
-    async for out in router.generate(prompt, params, request_id=rid):
-        deltas.append([c.new_token_ids for c in out.outputs])
-        last = out
-    return last, deltas
 
 
 def test_single_batched_streamed_chunked_equal_colocated(cluster, reference):
@@ -102,18 +95,6 @@ def test_http_equal_colocated(cluster, reference):
     engine = make_engine()
     assert text == engine.tokenizer.decode(greedy[0])
     assert "".join(pieces) == text
-
-
-def wait_idle(cluster, timeout=30.0):
-    """Until every worker's heartbeat shows no blocks, staging or transfers held."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = cluster.router.workers_status()
-        held = {k: (v["used_blocks"], v["staging_used"], v["transfers"]) for k, v in st.items()}
-        if all(v == (0, 0, 0) for v in held.values()):
-            return
-        assert time.monotonic() < deadline, held
-        time.sleep(0.2)
 
 
 def test_abort_frees_kv_on_both_sides(cluster):

@@ -12,8 +12,8 @@ import signal
 import time
 
 import pytest
+from cluster_checks import collect, wait_idle
 from engines import make_engine, run_all
-from test_cluster import collect, wait_idle
 
 from engine.cluster.launcher import Cluster
 from engine.cluster.router.router import ClusterUnavailableError, RouterConfig

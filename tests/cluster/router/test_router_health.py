@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
+from cluster_checks import key, samples
 from server.serverutil import http_server
 
 from engine.cluster import messages as m
@@ -71,20 +71,6 @@ def wait_until(cond, what: str, timeout: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-def samples(text: str) -> dict[tuple, float]:
-    """(metric sample name, frozenset of labels but model_name) -> value."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
-            out[(s.name, labels)] = s.value
-    return out
-
-
-def key(name: str, **labels) -> tuple:
-    return (name, frozenset(labels.items()))
 
 
 @pytest.fixture

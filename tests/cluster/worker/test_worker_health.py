@@ -15,9 +15,9 @@ import time
 
 import httpx
 import pytest
+from cluster_checks import key, samples
 from engines import make_engine
 from server.serverutil import http_server
-from test_router_health import key, samples
 
 from engine.cluster.launcher import Cluster
 from engine.cluster.router.router import RouterConfig
