@@ -32,7 +32,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,40 +39,14 @@ import zmq
 
 from engine.cluster import messages as m
 from engine.ipc import curve
-from engine.ipc.process_id import ProcessId, identify, is_gone
+from engine.ipc.process_id import identify, is_gone
 from engine.kv_connector.base import KVConnector, LoadDone, WrapsPool
 from engine.kv_connector.staging import KVLayout, StagingArena, checksum, scatter_tokens
+from engine.kv_connector.transfer_state import Transfer
 
 log = logging.getLogger(__name__)
 
 QUARANTINE_S = 60.0  # a released area waits at most this long for a live sender to stop
-
-
-@dataclass
-class Transfer:
-    request_id: str
-    offset: int
-    layout: KVLayout
-    deadline: float  # monotonic
-    pieces: list[list[tuple[int, int]]] = field(default_factory=list)  # per layer, token ranges
-    inline: bool | None = None  # pieces come as frames (TCP, copied here) or were staged by the
-    # sender (shared memory, Mooncake)
-    error: str | None = None
-    done: m.KVDone | None = None
-    finished: bool = False  # KVDone or a failure was reported to the worker
-    complete_time: float = 0.0  # monotonic time KVDone came
-    last_piece_time: float = 0.0  # monotonic time the last layer piece came (benchmarks)
-    children: set[str] = field(default_factory=set)  # engine requests still to load
-    freed: bool = False
-    sender_done: bool = False  # KVDone or KVAbort came: the sender writes no more
-    released_at: float | None = None  # released before the sender was done (shared memory)
-    writer: ProcessId | None = None  # shm: the prefill process that may write into the area
-    sender: ProcessId | None = None  # the prefill process on this host that sends the KV
-    may_write: bool = True  # False: no process can write into the area (gone, or off-host)
-
-    @property
-    def ok(self) -> bool:
-        return self.done is not None and self.error is None
 
 
 class KVReceiver(WrapsPool):
@@ -399,7 +372,7 @@ class KVReceiver(WrapsPool):
         length = (msg.end - msg.start) * self.token_bytes
         with self._lock:
             t = self._transfers.get(msg.request_id)
-            if t is None or t.freed or t.finished or self._check_piece(t, msg) is not None:
+            if t is None or t.freed or t.finished or t.piece_problem(msg) is not None:
                 return False
             views = self._views(t, msg)
             sizes = []
@@ -442,25 +415,12 @@ class KVReceiver(WrapsPool):
                     self._end(t, err)
             elif isinstance(msg, m.KVDone):
                 t.done = msg
-                self._end(t, self._check_complete(t, msg))
+                self._end(t, t.completion_problem(msg))
                 t.complete_time = time.monotonic()
             elif isinstance(msg, m.KVAbort):
                 self._end(t, f"the prefill worker gave up: {msg.reason}")
             else:
                 log.warning("unexpected %s on the KV socket", msg.TYPE)
-
-    def _check_piece(self, t: Transfer, msg: m.KVLayer) -> str | None:
-        lay, T = t.layout, t.layout.num_tokens
-        if not 0 <= msg.layer < lay.num_layers:
-            return f"layer {msg.layer} is out of range [0, {lay.num_layers})"
-        if not 0 <= msg.start < msg.end <= T:
-            return f"layer {msg.layer}: tokens [{msg.start}, {msg.end}) out of range [0, {T})"
-        if t.inline is not None and t.inline != msg.inline:
-            return f"layer {msg.layer}: frames and staged pieces mixed in one transfer"
-        for a, b in t.pieces[msg.layer]:
-            if msg.start < b and a < msg.end:
-                return f"layer {msg.layer}: tokens [{msg.start}, {msg.end}) delivered twice"
-        return None
 
     def _views(self, t: Transfer, msg: m.KVLayer):
         """The staging bytes of the piece's K rows and V rows (numpy views)."""
@@ -478,7 +438,7 @@ class KVReceiver(WrapsPool):
         self.counters["bytes_received"] += 2 * length
 
     def _take_layer(self, t: Transfer, msg: m.KVLayer) -> str | None:
-        err = self._check_piece(t, msg)
+        err = t.piece_problem(msg)
         if err is not None:
             return err
         length = (msg.end - msg.start) * self.token_bytes
@@ -495,14 +455,4 @@ class KVReceiver(WrapsPool):
         if checksum(*self._views(t, msg)) != msg.checksum:
             return f"layer {msg.layer}: checksum mismatch"
         self._record(t, msg, length)
-        return None
-
-    def _check_complete(self, t: Transfer, done: m.KVDone) -> str | None:
-        T = t.layout.num_tokens
-        if done.num_tokens != T or done.num_layers != t.layout.num_layers:
-            return f"KVDone for {done.num_tokens} tokens x {done.num_layers} layers, expected {T}"
-        for i, pieces in enumerate(t.pieces):
-            covered = sum(b - a for a, b in pieces)  # no overlaps: checked on arrival
-            if covered != T:
-                return f"layer {i} is missing: {covered} of {T} tokens arrived"
         return None
