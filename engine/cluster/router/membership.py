@@ -142,9 +142,9 @@ class Membership:
         self.placement.worker_joined(source, "pool", now)
 
     def take_event(self, event: BlockEvent) -> None:
-        """A published block event: into the index, and to the placement."""
-        if event.source in self.blocks.holders():
-            self.blocks.apply(event.source, event)
+        """A published block event of a known worker or pool: into the index, and to the
+        placement."""
+        if self.blocks.apply(event.source, event):
             self.placement.on_event(event.source, event)
 
     # -- deaths -----------------------------------------------------------------------------
