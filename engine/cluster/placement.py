@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+from engine.kvstore.block_events import BlockEvent
+
 
 class WorkerView(NamedTuple):
     """What placement may know of a worker (from its registration and last heartbeat)."""
@@ -87,9 +89,9 @@ class Placement(Protocol):
         """A worker died or said goodbye."""
         ...
 
-    def on_event(self, worker_id: str, event: dict) -> bool:
-        """A published ``stored``/``removed`` block event of that worker or pool; False when it
-        was not taken (malformed, unknown source)."""
+    def on_event(self, worker_id: str, event: BlockEvent) -> bool:
+        """A published ``stored``/``removed`` block event of that worker or pool (checked
+        already); False when it was not taken (unknown source, another namespace)."""
         ...
 
     def decode_progress(
@@ -138,7 +140,7 @@ class PlacementBase:
     def worker_left(self, worker_id: str, now: float) -> None:
         pass
 
-    def on_event(self, worker_id: str, event: dict) -> bool:
+    def on_event(self, worker_id: str, event: BlockEvent) -> bool:
         return False
 
     def decode_progress(

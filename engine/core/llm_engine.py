@@ -5,7 +5,6 @@ Not thread-safe: one thread owns it (the embedded LLM, or the loop thread of Asy
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -18,22 +17,26 @@ from tqdm import tqdm
 
 from engine import cpu_isa, envs
 from engine.config import EngineConfig
+from engine.core.cache_plan import plan_cache
+from engine.core.connector_calls import layer_hook, save_new_blocks
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.metrics import EngineMetrics, MetricsSnapshot, StepTimes
 from engine.core.model_runner import ModelRunner
+from engine.core.output_builder import build_output
 from engine.core.prompt_logprobs import fill_prompt_logprobs, rows_wanted
 from engine.core.request import Request
 from engine.core.sampler import Sampler, SamplingBatch, make_generator
 from engine.core.scheduler import QueueFullError, Scheduler
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.stop_conditions import check_stop, safe_text_len
-from engine.kv_connector.base import KVConnector, step_blocks
+from engine.core.validation import cap_for_tests, validate_prompt
+from engine.kv_connector.base import KVConnector
 from engine.kvcache.block_pool import BlockListener
 from engine.kvcache.kv_cache_manager import KVCacheManager
-from engine.kvcache.paged_cache import PagedKVCache, bytes_per_block, choose_num_blocks
+from engine.kvcache.paged_cache import PagedKVCache
 from engine.model.builder import build_model
 from engine.model.llama import LayerHook
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine")
@@ -64,15 +67,6 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
-
-
-def _test_cap(params: SamplingParams) -> SamplingParams:
-    """``params`` with max_tokens (and min_tokens) at most ENGINE_TEST_MAX_TOKENS, a test-only
-    cap (engine/envs.py), applied after validation so that it never changes what is refused."""
-    cap = envs.test_max_tokens()
-    if cap is None or params.max_tokens <= cap:
-        return params
-    return dataclasses.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
 
 
 class LLMEngine:
@@ -113,16 +107,8 @@ class LLMEngine:
         self.weight_cache_hit = built.cache_hit
         model = self.model = built.model
         del built
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
-        cc = config.cache
-        if self.device.type != "cuda":
-            per_token = bytes_per_block(self.model_config, cc.block_size, self.dtype)
-            cc, chosen = cc.sized_for(
-                per_token // cc.block_size, max_len, config.scheduler.max_num_seqs
-            )
-            if chosen:
-                logger.info(chosen)
-        num_blocks = choose_num_blocks(self.model_config, cc, self.dtype, self.device)
+        plan = plan_cache(config, self.model_config, self.dtype, self.device)
+        cc, num_blocks = plan.cache, plan.num_blocks
         self.cache = PagedKVCache(
             self.model_config, num_blocks, cc.block_size, self.dtype, self.device
         )
@@ -138,20 +124,7 @@ class LLMEngine:
             )
         if connector_factory is not None:
             self.connector = connector_factory(self.cache, self.connector)
-        if max_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({max_len}) must be <= the model's max_position_embeddings "
-                f"({self.model_config.max_position_embeddings})"
-            )
-        # One request must always fit in the cache by itself, or preemption could not help it.
-        self.max_model_len = min(max_len, num_blocks * cc.block_size)
-        if self.max_model_len < max_len:
-            logger.warning(
-                "max_model_len lowered from %d to %d tokens: the KV cache holds no more "
-                "(raise --kv-cache-memory-gb)",
-                max_len,
-                self.max_model_len,
-            )
+        self.max_model_len = plan.max_model_len
         self.scheduler = Scheduler(config.scheduler, self.kv, self.connector)
         self.runner = ModelRunner(
             model,
@@ -196,24 +169,7 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field and the limit; changes nothing."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt (length {n}) is longer than the maximum model length of "
-                f"{self.max_model_len} tokens (it must leave room for at least one output token)"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens ({params.max_tokens}) is too large: the prompt has {n} tokens and "
-                f"the maximum model length is {self.max_model_len}, so max_tokens must be <= "
-                f"{self.max_model_len - n}"
-            )
+        validate_prompt(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(
         self,
@@ -233,7 +189,7 @@ class LLMEngine:
                 raise ValueError("prompt token ids must be a list of integers")
             text, ids = prompt_text, list(prompt)
         self.validate(ids, params)
-        params = _test_cap(params)
+        params = cap_for_tests(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._parents:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -359,13 +315,14 @@ class LLMEngine:
         inputs = self.runner.prepare(sched.scheduled, self.kv.block_tables)
         t1 = time.perf_counter()
         wanted = rows_wanted(inputs.order, [s.num_tokens for s in inputs.order])
+        hook = layer_hook(self.connector, self.layer_hook, inputs, self.kv)
         if wanted:
-            step = self.runner.execute_with_hidden(inputs, self._layer_hook(inputs))
+            step = self.runner.execute_with_hidden(inputs, hook)
             logits = step.logits
             fill_prompt_logprobs(wanted, step.hidden, self.model.compute_logits, self._token_text)
             del step
         else:
-            logits = self.runner.execute(inputs, self._layer_hook(inputs))
+            logits = self.runner.execute(inputs, hook)
         t2 = time.perf_counter()
         sampling = [s.request for s in inputs.order if s.samples]
         batch = SamplingBatch.build(
@@ -382,7 +339,7 @@ class LLMEngine:
         self._account_computed(sched)
         self.scheduler.update_after_step(sched)
         if self.connector is not None:
-            self._save_new_blocks(sched)
+            save_new_blocks(self.connector, self.kv, sched)
         self.num_steps += 1
         now = time.monotonic()
         moved: dict[str, _Parent] = {}
@@ -405,34 +362,6 @@ class LLMEngine:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_texts[token_id] = text
         return text
-
-    def _layer_hook(self, inputs) -> LayerHook | None:
-        """The model's per-layer callback: the user's ``layer_hook`` and, when the connector wants
-        KV layer by layer, its ``save_layer`` over this step's slots."""
-        conn, user = self.connector, self.layer_hook
-        if conn is None or not conn.per_layer:
-            return user
-        step = step_blocks(inputs.order, inputs.meta.slot_mapping.tolist(), self.kv.block_tables)
-
-        def hook(i: int) -> None:
-            conn.save_layer(i, step)
-            if user is not None:
-                user(i)
-
-        return hook
-
-    def _save_new_blocks(self, sched: SchedulerOutput) -> None:
-        """Hand the connector every block that became full and computed in this step."""
-        bs = self.kv.block_size
-        for s in sched.scheduled:
-            req = s.request
-            if req.is_finished:
-                continue  # freed already; a finished request's last block is never full anyway
-            before = (req.num_computed_tokens - s.num_tokens) // bs
-            after = req.num_computed_tokens // bs
-            if after > before:
-                table = self.kv.block_tables[req.request_id]
-                self.connector.save(req, table, self.kv.block_hashes(req), before, after - before)
 
     def _account_computed(self, sched: SchedulerOutput) -> None:
         computed = 0
@@ -486,38 +415,21 @@ class LLMEngine:
             self.metrics.e2e.observe(now - req.metrics.arrival_time)
 
     def _make_output(self, parent: _Parent, final: bool) -> RequestOutput:
-        outs = []
-        for i, req in enumerate(parent.children):
+        choices = []
+        for req in parent.children:
             text = req.detokenizer.text[: req.text_limit]
             # Hold back a tail that might be the start of a stop string until we know.
             visible = len(text) if req.is_finished else safe_text_len(text, req.params.stop)
-            visible = max(visible, req.sent_text_len)
-            new_text = text[req.sent_text_len : visible]
-            new_ids = req.output_token_ids[req.sent_tokens :]
-            new_lps = req.logprobs[req.sent_tokens :] if req.logprobs is not None else None
-            req.sent_text_len, req.sent_tokens = visible, req.num_output_tokens
-            outs.append(
-                CompletionOutput(
-                    index=i,
-                    text=text[:visible],
-                    token_ids=list(req.output_token_ids),
-                    logprobs=req.logprobs,
-                    cumulative_logprob=req.cumulative_logprob,
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                    new_text=new_text,
-                    new_token_ids=new_ids,
-                    new_logprobs=new_lps,
-                )
-            )
-        return RequestOutput(
+            choices.append((req, text, visible))
+        first = parent.children[0]
+        return build_output(
             parent.request_id,
             parent.prompt,
             parent.prompt_token_ids,
-            outs,
-            finished=final,
-            metrics=parent.children[0].metrics,
-            prompt_logprobs=parent.children[0].prompt_logprobs,
+            choices,
+            final,
+            first.metrics,
+            first.prompt_logprobs,
         )
 
     @torch.inference_mode()
@@ -545,31 +457,16 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------
 
     def metrics_snapshot(self) -> MetricsSnapshot:
-        m = self.metrics
-        with m.lock:
-            return MetricsSnapshot(
-                num_running=len(self.scheduler.running),
-                num_waiting=len(self.scheduler.waiting),
-                kv_usage=self.kv.usage(),
-                num_blocks=self.kv.num_blocks,
-                prefix_queries=self.kv.prefix_queries,
-                prefix_hits=self.kv.prefix_hits,
-                preemptions=self.scheduler.num_preemptions,
-                prompt_tokens=m.prompt_tokens,
-                generation_tokens=m.generation_tokens,
-                computed_prompt_tokens=m.computed_prompt_tokens,
-                finished=dict(m.finished),
-                rejected=m.rejected,
-                ttft=m.ttft.cumulative(),
-                ttft_sum=m.ttft.total,
-                itl=m.itl.cumulative(),
-                itl_sum=m.itl.total,
-                e2e=m.e2e.cumulative(),
-                e2e_sum=m.e2e.total,
-                queue_time=m.queue_time.cumulative(),
-                queue_time_sum=m.queue_time.total,
-                kv_pool=self.connector.stats() if self.connector is not None else {},
-            )
+        return self.metrics.snapshot(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.kv.usage(),
+            num_blocks=self.kv.num_blocks,
+            prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits,
+            preemptions=self.scheduler.num_preemptions,
+            kv_pool=self.connector.stats() if self.connector is not None else None,
+        )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -62,6 +62,43 @@ class EngineMetrics:
     queue_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def snapshot(
+        self,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+        num_blocks: int = 0,
+        prefix_queries: int = 0,
+        prefix_hits: int = 0,
+        preemptions: int = 0,
+        kv_pool: dict | None = None,
+    ) -> MetricsSnapshot:
+        """The counters and histograms now, with the gauges the caller reads live."""
+        with self.lock:
+            return MetricsSnapshot(
+                num_running=num_running,
+                num_waiting=num_waiting,
+                kv_usage=kv_usage,
+                num_blocks=num_blocks,
+                prefix_queries=prefix_queries,
+                prefix_hits=prefix_hits,
+                preemptions=preemptions,
+                prompt_tokens=self.prompt_tokens,
+                generation_tokens=self.generation_tokens,
+                computed_prompt_tokens=self.computed_prompt_tokens,
+                finished=dict(self.finished),
+                rejected=self.rejected,
+                ttft=self.ttft.cumulative(),
+                ttft_sum=self.ttft.total,
+                itl=self.itl.cumulative(),
+                itl_sum=self.itl.total,
+                e2e=self.e2e.cumulative(),
+                e2e_sum=self.e2e.total,
+                queue_time=self.queue_time.cumulative(),
+                queue_time_sum=self.queue_time.total,
+                kv_pool=kv_pool or {},
+            )
+
 
 @dataclass
 class StepTimes:

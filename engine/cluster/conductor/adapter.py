@@ -51,6 +51,7 @@ from engine.cluster.conductor.prefix_index import EventError
 from engine.cluster.placement import Placed, PlacementBase
 from engine.core.scheduler import QueueFullError
 from engine.kvcache.prefix_hash import hash_blocks
+from engine.kvstore.block_events import BlockEvent
 
 # The prior of the router's Conductor until measurements arrive: the engine's default model on a
 # CPU like this one (engine/cluster/conductor/cost_model.py states its constants).
@@ -133,7 +134,7 @@ class ConductorPlacement(PlacementBase):
             else:
                 self.conductor.on_request_finished(rid, t)
 
-    def on_event(self, worker_id: str, event: dict) -> bool:
+    def on_event(self, worker_id: str, event: BlockEvent) -> bool:
         try:
             return self.conductor.on_event(worker_id, event)
         except EventError:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,6 +44,7 @@ from engine.cluster.conductor.rejection import (
     tbt_now,
 )
 from engine.cluster.conductor.time_models import PrefillTimeModel, TbtModel
+from engine.kvstore.block_events import BlockEvent
 
 POLICIES = ("random", "round_robin", "load", "cache_aware", "kvcentric")
 DECODE_WINDOW = 128  # decodes the uniform decode time t_d is the mean of
@@ -196,7 +197,7 @@ class Conductor:
             self.on_request_finished(r, now)
         return lost
 
-    def on_event(self, instance_id: str, event: dict) -> bool:
+    def on_event(self, instance_id: str, event: BlockEvent | Mapping) -> bool:
         return self.index.apply(instance_id, event)
 
     # -- the decision ----------------------------------------------------------------------------

@@ -19,8 +19,10 @@ A placer is not thread-safe: its driver calls it from one thread (the router's I
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple, Protocol
+
+from engine.kvstore.block_events import BlockEvent
 
 ROLES = ("prefill", "decode", "pool")
 
@@ -59,8 +61,9 @@ class Placer(Protocol):
     def remove_instance(self, instance_id: str, now: float) -> list[str]:
         """A worker died or left: forget it; returns the requests that were placed on it."""
 
-    def on_event(self, instance_id: str, event: dict) -> bool:
-        """A published ``stored``/``removed`` event from that instance (or pool)."""
+    def on_event(self, instance_id: str, event: BlockEvent | Mapping) -> bool:
+        """A published ``stored``/``removed`` event from that instance (or pool), or the map of
+        one (engine/kvstore/block_events.py)."""
 
     def decide(
         self,

@@ -1,9 +1,9 @@
 """Which KV blocks each instance holds, as the Conductor knows it: a hint built from events.
 
-Instances and pool services publish ``{"type": "stored" | "removed", "namespace": hex,
-"keys": [32-byte keys], "source": str}`` (engine/kvstore/service/server.py). Events can be lost
-(ZeroMQ PUB drops for slow subscribers), so the index is a hint: a wrong hint costs a recompute
-or a failed copy, never wrong data (the instance confirms every block it loads).
+Instances and pool services publish ``stored`` and ``removed`` block events
+(engine/kvstore/block_events.py). Events can be lost (ZeroMQ PUB drops for slow subscribers), so
+the index is a hint: a wrong hint costs a recompute or a failed copy, never wrong data (the
+instance confirms every block it loads). The router keeps one too, of every worker and pool.
 
 The Conductor also records a placement as soon as it decides it ("after assignment the Conductor
 updates the chosen instance's cache", Mooncake §4.1), so a burst of requests sharing a prefix
@@ -15,13 +15,11 @@ simulator.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-EVENT_TYPES = ("stored", "removed")
+from engine.kvstore.block_events import BlockEvent, BlockEventError
 
-
-class EventError(ValueError):
-    pass
+EventError = BlockEventError  # a malformed event
 
 
 class PrefixIndex:
@@ -50,21 +48,16 @@ class PrefixIndex:
         if held is not None:
             held.difference_update(keys)
 
-    def apply(self, holder: str, event: dict) -> bool:
-        """Apply a published event; False if it was for another namespace or an unknown holder.
-        A malformed event raises EventError naming the field."""
-        kind = event.get("type")
-        if kind not in EVENT_TYPES:
-            raise EventError(f"event type must be one of {EVENT_TYPES}, got {kind!r}")
-        keys = event.get("keys")
-        if not isinstance(keys, (list, tuple)):
-            raise EventError(f"event keys must be a list, got {type(keys).__name__}")
-        ns = event.get("namespace")
+    def apply(self, holder: str, event: BlockEvent | Mapping) -> bool:
+        """Apply a published event (or the map of one); False if it was for another namespace
+        or an unknown holder. A malformed event raises EventError naming the field."""
+        event = BlockEvent.of(event)
+        ns = event.namespace
         if self.namespace is not None and ns is not None and ns != self.namespace:
             return False
         if holder not in self._held:
             return False
-        (self.stored if kind == "stored" else self.removed)(holder, keys)
+        (self.stored if event.kind == "stored" else self.removed)(holder, event.keys)
         return True
 
     def match(self, holder: str, keys: Sequence[Hashable]) -> int:

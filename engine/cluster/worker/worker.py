@@ -25,18 +25,17 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import msgpack
 import zmq
 
 from engine.cluster import messages as m
 from engine.cluster.conductor.step_stats import StepStats
 from engine.config import EngineConfig
 from engine.ipc import curve
+from engine.kvstore.block_events import EVENT_KEYS, BlockEvent
 
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
-EVENT_KEYS = 1024  # keys per event message, as the pool service
 REGISTER_EVERY_S = 5.0  # registration repeated, so a restarted router finds its workers
 TRANSPORTS = ("shm", "tcp", "mooncake")
 
@@ -349,10 +348,9 @@ class Worker:
             while i < len(events) and events[i][0] == kind and len(keys) < EVENT_KEYS:
                 keys.append(events[i][1])
                 i += 1
-            msg = {"type": kind, "namespace": self.namespace, "keys": keys,
-                   "source": self.worker_id}  # fmt: skip
+            event = BlockEvent(kind, tuple(keys), self.worker_id, self.namespace)
             try:
-                self._pub.send(msgpack.packb(msg), zmq.NOBLOCK)
+                self._pub.send(event.to_wire(), zmq.NOBLOCK)
             except zmq.Again:
                 pass  # subscribers treat the index as a hint
 

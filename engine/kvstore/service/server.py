@@ -13,16 +13,12 @@ run the store operations, fed by a bounded queue (when it is full a request is a
 be sent at once (the peer is gone or its queue is full) is dropped: the client's deadline covers
 it. SIGTERM/SIGINT: stop, close the stores (the arenas are unlinked), exit 0.
 
-Events (a ZeroMQ PUB socket on ``--events-port``; cluster workers publish the same format): one
-msgpack map per multipart message of one frame,
-
-    {"type": "stored" | "removed", "namespace": "<namespace id hex>",
-     "keys": [<32-byte key>, ...], "source": "pool@HOST:PORT"}
-
-``stored``: the keys are in the pool now (put or committed). ``removed``: they left it (removed,
-cleared, or evicted from the last local tier; a DRAM eviction that lands on the SSD is no
-removal). At most ``EVENT_KEYS`` keys per message. Subscribers may miss events (PUB drops for
-slow or late subscribers): an index built from them is a hint, confirmed by ``exists``.
+Events (a ZeroMQ PUB socket on ``--events-port``; cluster workers publish the same format): block
+events (engine/kvstore/block_events.py) with ``source`` ``pool@HOST:PORT``. ``stored``: the keys
+are in the pool now (put or committed). ``removed``: they left it (removed, cleared, or evicted
+from the last local tier; a DRAM eviction that lands on the SSD is no removal). Subscribers may
+miss events (PUB drops for slow or late subscribers): an index built from them is a hint,
+confirmed by ``exists``.
 """
 
 from __future__ import annotations
@@ -37,17 +33,16 @@ import uuid
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-import msgpack
 import zmq
 
 from engine.ipc import curve
+from engine.kvstore.block_events import batches
 from engine.kvstore.dram_tier import SHM_PREFIX, remove_orphan_arenas
 from engine.kvstore.service import protocol as P
 from engine.kvstore.service.namespaces import NamespaceStore, NamespaceTable
 
 logger = logging.getLogger("engine.kvstore.service.server")
 
-EVENT_KEYS = 1024
 SEND_HWM = 10_000
 _REPLIES = "inproc://pool-replies"
 
@@ -340,17 +335,11 @@ class PoolService:
     # -- events ------------------------------------------------------------------------------------
 
     def _publish(self, kind: str, namespace: bytes, keys: list[bytes]) -> None:
-        if self._pub is None or not keys:
+        if self._pub is None:
             return
-        for i in range(0, len(keys), EVENT_KEYS):
-            event = {
-                "type": kind,
-                "namespace": namespace.hex(),
-                "keys": keys[i : i + EVENT_KEYS],
-                "source": self.source,
-            }
+        for event in batches(kind, keys, self.source, namespace.hex()):
             with self._pub_lock:
                 try:
-                    self._pub.send(msgpack.packb(event, use_bin_type=True), zmq.NOBLOCK)
+                    self._pub.send(event.to_wire(), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # no subscriber keeps up: events are hints

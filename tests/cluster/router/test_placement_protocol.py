@@ -1,18 +1,20 @@
-"""The router's contract with its placement is one protocol: every ``self.placement.<hook>`` the
-router calls is declared on ``placement.Placement`` (and nothing more is), has a default on
-``PlacementBase``, and exists with the protocol's parameters on every implementation; the router
-calls its placement directly, never through ``getattr``."""
+"""The router's contract with its placement is one protocol: every ``self.placement.<hook>`` a
+module of the router's package calls is declared on ``placement.Placement`` (and nothing more
+is), has a default on ``PlacementBase``, and exists with the protocol's parameters on every
+implementation; the router calls its placement directly, never through ``getattr``."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import pkgutil
+from importlib import import_module
 
 import pytest
 
+from engine.cluster import router
 from engine.cluster.conductor.adapter import ConductorPlacement
 from engine.cluster.placement import Placement, PlacementBase, RoundRobin
-from engine.cluster.router import router
 
 IMPLEMENTATIONS = [PlacementBase, RoundRobin, ConductorPlacement]
 
@@ -26,11 +28,18 @@ def _is_self_placement(node: ast.AST) -> bool:
     )
 
 
+def router_trees() -> list[ast.AST]:
+    """Every module of the router's package, parsed."""
+    names = [f"{router.__name__}.{i.name}" for i in pkgutil.iter_modules(router.__path__)]
+    assert {"engine.cluster.router.membership", "engine.cluster.router.phases"} <= set(names)
+    return [ast.parse(inspect.getsource(import_module(n))) for n in [router.__name__, *names]]
+
+
 def router_hooks() -> set[str]:
     """The names the router reads off ``self.placement``."""
-    tree = ast.parse(inspect.getsource(router))
     return {
         node.attr
+        for tree in router_trees()
         for node in ast.walk(tree)
         if isinstance(node, ast.Attribute) and _is_self_placement(node.value)
     }
@@ -51,8 +60,7 @@ def test_the_protocol_lists_exactly_the_hooks_the_router_calls():
 
 
 def test_the_router_never_asks_its_placement_with_getattr():
-    tree = ast.parse(inspect.getsource(router))
-    for node in ast.walk(tree):
+    for node in (n for tree in router_trees() for n in ast.walk(tree)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id in ("getattr", "hasattr") and node.args:
                 assert not _is_self_placement(node.args[0]), ast.unparse(node)

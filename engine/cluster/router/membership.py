@@ -1,0 +1,236 @@
+"""The workers the router knows: registrations, heartbeats, goodbyes and deaths, the live views
+its placement chooses from, which prefix blocks each worker and pool holds (from their block
+events), and the longest request the live workers can all take.
+
+A worker silent for ``heartbeat_timeout_s`` is dead: nothing more is placed there, and the
+requests on it are handed to ``on_death`` (the phase machine retries or fails them). Runs on the
+router's IO thread; other threads read ``workers`` only through a copy of its values.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.cluster import messages as m
+from engine.cluster.conductor.prefix_index import PrefixIndex
+from engine.cluster.placement import Placement, WorkerView
+from engine.cluster.router.config import RouterConfig
+from engine.kvstore.block_events import BlockEvent
+
+log = logging.getLogger(__name__)
+
+LIVE = ("up", "draining")  # a draining worker finishes what it holds; nothing new goes there
+
+
+class EventLinks(Protocol):
+    """Where the router's block-event subscription connects (the IO's SUB socket)."""
+
+    def subscribe(self, address: str) -> bool: ...
+
+    def unsubscribe(self, address: str) -> None: ...
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: str
+    identity: bytes
+    pid: int
+    host: str
+    kv_address: str
+    shm_path: str
+    transport: str
+    max_model_len: int
+    events_address: str = ""
+    mooncake_address: str = ""
+    arena_addr: int = 0
+    copy_address: str = ""  # prefill: where other prefill workers push block copies
+    state: str = "up"  # up | draining | dead | left
+    last_seen: float = 0.0
+    hb: m.Heartbeat | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE
+
+
+class Membership:
+    def __init__(
+        self, cfg: RouterConfig, model_max_len: int, placement: Placement, links: EventLinks
+    ) -> None:
+        self.cfg = cfg
+        self.placement = placement
+        self.workers: dict[str, Worker] = {}
+        self.blocks = PrefixIndex()  # held prefix blocks per worker and pool: a hint
+        self.max_model_len = cfg.max_model_len or model_max_len
+        self._model_max_len = self.max_model_len
+        self._links = links
+        self.on_death: Callable[[Worker], None] = lambda worker: None
+
+    # -- what workers say -------------------------------------------------------------------
+
+    def register(self, identity: bytes, msg: m.Register, now: float) -> None:
+        if msg.role not in ("prefill", "decode") or msg.max_model_len < 1:
+            log.warning("refused to register %r: role %r, max_model_len %d", msg.worker_id[:64],
+                        msg.role[:16], msg.max_model_len)  # fmt: skip
+            return
+        old = self.workers.get(msg.worker_id)
+        if old is not None and old.pid == msg.pid and old.live:
+            old.identity, old.last_seen = identity, now  # a repeated registration
+            return
+        if old is not None and old.live and old.pid != msg.pid:
+            self.gone(old, "dead")  # restarted before its silence was noticed
+        self.workers[msg.worker_id] = Worker(
+            msg.worker_id,
+            msg.role,
+            identity,
+            msg.pid,
+            msg.host,
+            msg.kv_address,
+            msg.shm_path,
+            msg.transport,
+            msg.max_model_len,
+            events_address=msg.events_address,
+            mooncake_address=msg.mooncake_address,
+            arena_addr=msg.arena_addr,
+            copy_address=msg.copy_address,
+            last_seen=now,
+        )
+        self.blocks.remove_holder(msg.worker_id)  # a fresh instance holds nothing yet
+        self.blocks.add_holder(msg.worker_id)
+        self.placement.worker_joined(msg.worker_id, msg.role, now)
+        if msg.events_address and not self._links.subscribe(msg.events_address):
+            log.warning("worker %s: bad events address; serving without its block events",
+                        msg.worker_id)  # fmt: skip
+        self._refresh_max_model_len()
+        log.info("worker %s (%s, pid %d) joined", msg.worker_id, msg.role, msg.pid)
+
+    def heartbeat(self, msg: m.Heartbeat, now: float) -> None:
+        w = self.workers.get(msg.worker_id)
+        if w is None or not w.live:
+            return
+        w.last_seen, w.hb = now, msg
+        if msg.state == "draining":
+            w.state = "draining"
+        if msg.steps > 0 and w.role == "decode":  # the Conductor's TBT model learns
+            self.placement.decode_progress(
+                w.worker_id, now, msg.step_batch, msg.step_tokens, msg.step_s
+            )
+
+    def goodbye(self, identity: bytes, msg: m.Goodbye) -> None:
+        w = self.workers.get(msg.worker_id)
+        if w is not None and w.identity == identity:  # only a worker's own goodbye counts
+            self.gone(w, "left")
+
+    def sender(self, identity: bytes, now: float) -> Worker | None:
+        """The registered worker that sent a message from ``identity`` (now seen), if any."""
+        w = next((w for w in self.workers.values() if w.identity == identity), None)
+        if w is not None:
+            w.last_seen = now
+        return w
+
+    def add_pool(self, source: str, events_address: str, now: float) -> None:
+        """A pool service whose block events name it ``source``: a holder of prefix blocks."""
+        self.blocks.remove_holder(source)  # what it held before is heard again
+        self.blocks.add_holder(source)
+        if not self._links.subscribe(events_address):
+            log.warning("pool %s: bad events address %r", source, events_address[:200])
+        self.placement.worker_joined(source, "pool", now)
+
+    def take_event(self, event: BlockEvent) -> None:
+        """A published block event of a known worker or pool: into the index, and to the
+        placement."""
+        if self.blocks.apply(event.source, event):
+            self.placement.on_event(event.source, event)
+
+    # -- deaths -----------------------------------------------------------------------------
+
+    def gone(self, w: Worker, state: str) -> None:
+        """``w`` is dead or left: nothing more goes there; its requests go to ``on_death``."""
+        w.state = state
+        self._refresh_max_model_len()
+        self.placement.worker_left(w.worker_id, time.monotonic())
+        self.blocks.remove_holder(w.worker_id)
+        if w.events_address:
+            self._links.unsubscribe(w.events_address)
+        log.warning("worker %s is %s", w.worker_id, state)
+        self.on_death(w)
+
+    def check_silence(self, now: float) -> None:
+        for w in list(self.workers.values()):
+            if w.live and now - w.last_seen > self.cfg.heartbeat_timeout_s:
+                self.gone(w, "dead")
+
+    def _refresh_max_model_len(self) -> None:
+        """The smallest of the live workers': one that left no longer limits the cluster."""
+        if self.cfg.max_model_len is None:
+            lens = [w.max_model_len for w in self.workers.values() if w.state == "up"]
+            self.max_model_len = min([*lens, self._model_max_len])
+
+    # -- views ------------------------------------------------------------------------------
+
+    def reachable(self, worker_id: str) -> Worker | None:
+        """The worker, while it still answers (up or draining)."""
+        w = self.workers.get(worker_id)
+        return w if w is not None and w.live else None
+
+    def live(self, role: str) -> list[WorkerView]:
+        """The workers of ``role`` that take new requests, as the placement sees them."""
+        out = []
+        for w in self.workers.values():
+            if w.role == role and w.state == "up":
+                hb = w.hb
+                out.append(
+                    WorkerView(
+                        w.worker_id,
+                        role,
+                        w.host,
+                        hb.running if hb else 0,
+                        hb.waiting if hb else 0,
+                        hb.kv_usage if hb else 0.0,
+                    )
+                )
+        return out
+
+    def serving(self) -> bool:
+        """A prefill and a decode worker are up (any thread)."""
+        roles = {w.role for w in list(self.workers.values()) if w.state == "up"}
+        return roles == {"prefill", "decode"}
+
+    def count_up(self, role: str) -> int:
+        return sum(w.role == role and w.state == "up" for w in list(self.workers.values()))
+
+    def status(self) -> dict[str, dict]:
+        """Every worker that ever registered: its state (up, draining, dead, left) and what its
+        last heartbeat said (any thread; /health and /metrics show these)."""
+        out = {}
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            hb = w.hb
+            out[w.worker_id] = {
+                "role": w.role,
+                "state": w.state,
+                "pid": w.pid,
+                "host": w.host,
+                "running": hb.running if hb else 0,
+                "waiting": hb.waiting if hb else 0,
+                "kv_usage": hb.kv_usage if hb else 0.0,
+                "used_blocks": hb.used_blocks if hb else 0,
+                "staging_used": hb.staging_used if hb else 0,
+                "transfers": hb.transfers if hb else 0,
+                "finished": dict(hb.finished) if hb else {},
+                "heartbeat_age_s": round(max(0.0, now - w.last_seen), 3),
+            }
+        return out
+
+    def reporting(self) -> list[Worker]:
+        """The live workers that have sent a heartbeat (any thread)."""
+        return [w for w in list(self.workers.values()) if w.live and w.hb]
+
+    def prefix_blocks(self, worker_id: str, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of a chain the worker holds, by its events (a hint)."""
+        return self.blocks.match(worker_id, block_hashes)

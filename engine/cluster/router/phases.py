@@ -1,0 +1,294 @@
+"""Each request's phases, driven by what its workers say: placed on a prefill and a decode
+worker -> ``DecodeRequest`` (the decode worker reserves staging; ``reserving``) -> when the
+placement planned a block copy to the prefill worker, its ``CopyDone`` or its deadline
+(``copying``) -> ``PrefillRequest`` (the prefill worker streams KV to the decode worker and
+reports the first tokens; ``prefill``) -> the decode worker's tokens (``decode``).
+
+Faults: a request whose worker dies, or that a worker refuses (overloaded, draining), is placed
+again while the client has seen nothing of it (up to ``max_retries``); after its first token it
+ends with a clear error (503). Every phase has a deadline, so no request waits forever. Runs on
+the router's IO thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from engine.cluster import messages as m
+from engine.cluster.placement import Placement
+from engine.cluster.router.config import ClusterUnavailableError, RouterConfig
+from engine.cluster.router.membership import Membership, Worker
+from engine.cluster.router.outputs import apply_outputs, assemble
+from engine.cluster.router.request import RouterRequest
+from engine.core.metrics import EngineMetrics
+from engine.ipc.wire import params_to_wire
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[Worker, m.Message], bool]  # False: the worker could not be reached
+
+
+class Phases:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        members: Membership,
+        placement: Placement,
+        stats: EngineMetrics,
+        send: Send,
+    ) -> None:
+        self.cfg = cfg
+        self.members = members
+        self.placement = placement
+        self.stats = stats
+        self._send = send
+        self.requests: dict[str, RouterRequest] = {}  # by the caller's request id
+        self.wire: dict[str, RouterRequest] = {}  # by the current attempt's id
+
+    # -- the caller's commands --------------------------------------------------------------
+
+    def submit(self, req: RouterRequest) -> None:
+        if req.request_id in self.requests:
+            req.deliver(ValueError(f"request_id {req.request_id!r} is in use"))
+            return
+        self.requests[req.request_id] = req
+        with self.stats.lock:
+            self.stats.prompt_tokens += len(req.ids) * req.params.n
+        self._place(req)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._abort_legs(req)
+            self._finish(req, "abort")
+
+    def abort_all(self) -> None:
+        for request_id in list(self.requests):
+            self.abort(request_id)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for req in list(self.requests.values()):
+            self._fail(req, exc)
+
+    # -- what workers say -------------------------------------------------------------------
+
+    def on_message(self, sender: Worker, msg: m.Message, now: float) -> None:
+        req = self.wire.get(getattr(msg, "request_id", ""))
+        if req is None:
+            return  # finished, aborted or an abandoned attempt: late messages are dropped
+        wid = sender.worker_id
+        if isinstance(msg, m.DecodeReady):
+            if wid != req.decode or req.phase != "reserving":
+                return
+            if msg.error is not None:
+                self._retry(req, f"decode worker {wid}: {msg.error}")
+                return
+            if req.copy_wait:  # the prefill starts when the copy is in (or late)
+                req.ready, req.phase = (sender, msg), "copying"
+                req.phase_deadline = time.monotonic() + self.cfg.copy_timeout_s
+                return
+            self._start_prefill(req, sender, msg)
+        elif isinstance(msg, m.CopyDone):
+            if wid != req.prefill or not req.copy_wait:
+                return
+            req.copy_wait = False
+            self.placement.copy_done(req.wire_id, msg.blocks)
+            if req.phase == "copying":
+                self._start_prefill(req, *req.ready)
+        elif isinstance(msg, m.Outputs):
+            if wid not in (req.prefill, req.decode):
+                return
+            if wid == req.prefill and req.phase == "prefill":
+                req.phase = "decode"
+                req.metrics.num_cached_tokens = msg.num_cached_tokens
+                self.placement.prefill_done(req.wire_id, now, msg.num_cached_tokens)
+            if wid == req.prefill:
+                # The decode worker learns the first tokens the client gets, in case the KV
+                # transfer fails before its KVDone: it then recomputes from these.
+                d = self.members.reachable(req.decode)
+                if d is not None:
+                    self._send(d, m.FirstTokens(req.wire_id, msg.outputs))
+            apply_outputs(req, msg.outputs)
+            self._emit(req)
+        elif isinstance(msg, m.TransferFailed):
+            if wid != req.decode:
+                return
+            p = self.members.workers.get(req.prefill)
+            if p is not None:
+                self._send(p, m.Abort(req.wire_id))
+            if msg.recompute:
+                req.phase = "decode"  # the decode worker prefills it itself
+                req.phase_deadline = time.monotonic() + self.cfg.request_timeout_s
+            else:
+                self._abort_legs(req)
+                self._fail(req, RuntimeError(f"KV transfer failed: {msg.reason}"))
+        elif isinstance(msg, m.RequestError):
+            if wid not in (req.prefill, req.decode):
+                return
+            if msg.code in (429, 503):
+                self._retry(req, f"worker {wid}: {msg.message}")
+                return
+            self._abort_legs(req)
+            exc = ValueError(msg.message) if msg.code == 400 else RuntimeError(msg.message)
+            self._fail(req, exc)
+
+    def worker_died(self, w: Worker) -> None:
+        for req in list(self.requests.values()):
+            if w.worker_id not in (req.prefill, req.decode):
+                continue
+            if w.worker_id == req.prefill and req.phase == "decode":
+                req.prefill = ""  # its part is done; the decode worker carries on
+                d = self.members.reachable(req.decode)
+                if d is not None:
+                    # Its KV may not all have left: the decode worker need not wait out the
+                    # transfer deadline (it recomputes from the first tokens).
+                    self._send(d, m.SourceGone(req.wire_id, w.worker_id))
+                continue
+            if w.worker_id == req.prefill:
+                req.prefill = ""
+            else:
+                req.decode = ""
+            self._retry(req, f"worker {w.worker_id} died")
+
+    def check_deadlines(self, now: float) -> None:
+        for req in list(self.requests.values()):
+            if now > req.deadline:
+                self._abort_legs(req)
+                self._fail(req, TimeoutError(f"request {req.request_id} passed its deadline"))
+            elif req.phase == "copying" and now > req.phase_deadline:
+                req.copy_wait = False  # the copy is late: prefill without it
+                self._start_prefill(req, *req.ready)
+            elif req.phase in ("reserving", "prefill") and now > req.phase_deadline:
+                self._retry(req, f"no progress in the {req.phase} phase")
+
+    # -- the phases -------------------------------------------------------------------------
+
+    def _place(self, req: RouterRequest) -> None:
+        placed = self.placement.place(
+            req.ids, self.members.live("prefill"), self.members.live("decode")
+        )
+        if placed is None:
+            exc = self.placement.rejection_error()  # an SLO's: 429
+            self._fail(req, exc or ClusterUnavailableError("no live prefill and decode workers"))
+            return
+        req.prefill, req.decode = placed
+        req.phase = "reserving"
+        req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
+        # A fresh id per attempt: late messages of an abandoned attempt can never be taken for
+        # this one's (by the router, or by a decode worker's staging area).
+        self.wire.pop(req.wire_id, None)
+        req.wire_id = f"{req.request_id}/{req.attempts}"
+        self.wire[req.wire_id] = req
+        self.placement.bind(req.wire_id)
+        req.ready = None
+        req.copy_wait = self._start_copies(req)
+        p = self.members.workers[req.prefill]
+        msg = m.DecodeRequest(
+            req.wire_id,
+            req.ids,
+            params_to_wire(req.params),
+            self.cfg.transfer_deadline_s,
+            sender_pid=p.pid,
+            sender_host=p.host,
+        )
+        if not self._send(self.members.workers[req.decode], msg):
+            self._retry(req, f"decode worker {req.decode} is unreachable")
+
+    def _start_copies(self, req: RouterRequest) -> bool:
+        """Ask the source of each block copy the placement planned between prefill workers to
+        send it (block_copy.py); True if one was sent. Copies from a pool need nothing: the
+        prefill worker's pool lookup performs them."""
+        sent = False
+        workers = self.members.workers
+        for src_id, dst_id, start, end in self.placement.planned_copies():
+            src, dst = workers.get(src_id), workers.get(dst_id)
+            if src is None or dst is None or dst_id != req.prefill or not dst.copy_address:
+                continue
+            if src.role != "prefill" or src.state != "up" or end <= start:
+                continue
+            bs = self.cfg.block_size
+            msg = m.CopyBlocks(req.wire_id, req.ids[: end * bs], start, dst.copy_address)
+            sent = self._send(src, msg) or sent
+        return sent
+
+    def _start_prefill(self, req: RouterRequest, decode: Worker, ready: m.DecodeReady) -> None:
+        p = self.members.workers.get(req.prefill)
+        if p is None or p.state != "up":
+            self._retry(req, f"prefill worker {req.prefill} is gone")
+            return
+        transport = self.cfg.kv_transport
+        same_host = p.host == decode.host and decode.shm_path
+        if decode.mooncake_address and (transport or decode.transport) == "mooncake":
+            transport = "mooncake"  # both ends must have joined with their Transfer Engines
+        elif transport is None:
+            transport = "shm" if same_host and decode.transport == "shm" else "tcp"
+        elif transport != "tcp" and not same_host:
+            transport = "tcp"
+        req.phase = "prefill"
+        req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
+        self.placement.prefill_started(req.wire_id, time.monotonic())
+        mooncake = transport == "mooncake"
+        msg = m.PrefillRequest(
+            req.wire_id,
+            req.ids,
+            params_to_wire(req.params),
+            decode.worker_id,
+            decode.kv_address,
+            transport,
+            decode.shm_path if transport == "shm" else "",
+            ready.offset,
+            ready.nbytes,
+            stream_layers=self.cfg.stream_layers,
+            peer_address=decode.mooncake_address if mooncake else "",
+            peer_base=decode.arena_addr if mooncake else 0,
+        )
+        if not self._send(p, msg):
+            self._retry(req, f"prefill worker {p.worker_id} is unreachable")
+
+    # -- endings ----------------------------------------------------------------------------
+
+    def _retry(self, req: RouterRequest, why: str) -> None:
+        self._abort_legs(req)
+        if req.streamed or req.attempts >= self.cfg.max_retries:
+            self._fail(req, ClusterUnavailableError(f"request {req.request_id}: {why}"))
+            return
+        self.placement.finished(req.wire_id, time.monotonic())  # this attempt is abandoned
+        req.attempts += 1
+        log.warning("request %s: %s; placing it again", req.request_id, why)
+        self._place(req)
+
+    def _abort_legs(self, req: RouterRequest) -> None:
+        for wid in (req.prefill, req.decode):
+            w = self.members.reachable(wid)
+            if w is not None:
+                self._send(w, m.Abort(req.wire_id))
+        req.prefill = req.decode = ""
+
+    def _fail(self, req: RouterRequest, exc: BaseException) -> None:
+        self.placement.finished(req.wire_id, time.monotonic())
+        self._forget(req)
+        with self.stats.lock:
+            self.stats.finished["error"] = self.stats.finished.get("error", 0) + 1
+        req.deliver(exc)
+
+    def _finish(self, req: RouterRequest, reason: str) -> None:
+        """End req now (an abort): unfinished choices get ``reason``."""
+        for c in req.choices:
+            if c.finish_reason is None:
+                c.finish_reason = reason
+        self._emit(req)
+
+    def _emit(self, req: RouterRequest) -> None:
+        now = time.monotonic()
+        out = assemble(req, self.stats, now)
+        if out.finished:
+            tokens = sum(len(c.output_token_ids) for c in req.choices)
+            self.placement.finished(req.wire_id, now, tokens)
+            self._forget(req)
+        req.deliver(out)
+
+    def _forget(self, req: RouterRequest) -> None:
+        self.requests.pop(req.request_id, None)
+        self.wire.pop(req.wire_id, None)
