@@ -6,8 +6,8 @@ Socket roles (fixed):
   ``TransferFailed``, ``RequestError``, ``Goodbye`` up; ``PrefillRequest``, ``DecodeRequest``,
   ``Abort`` down. A second DEALER per worker carries only ``Heartbeat`` (its own thread, so a
   long forward never delays one).
-- worker PUB -> router SUB: block events, ``{"type": "stored"|"removed", "namespace": hex,
-  "keys": [...], "source": worker id}`` (the pool service's format, one msgpack map per message).
+- worker PUB -> router SUB: block events (``BlockEvent`` of engine/kvstore/block_events.py, the
+  pool service's format: one msgpack map per message).
 - prefill PUSH -> prefill PULL (block copies, hot-prefix replication): ``BlockData``; the
   router asks the source with ``CopyBlocks``, the target answers ``CopyDone``.
 - prefill PUSH -> decode PULL (KV): ``KVLayer`` (the layer's bytes as one raw frame over TCP;

@@ -114,3 +114,21 @@ def attention_strides(q, k_cache, v_cache, out, block_tables) -> tuple[int, ...]
         *out.stride()[:2],
         block_tables.stride(0),
     )
+
+
+def check_paged_attention(q, k_cache, v_cache) -> None:
+    """What every paged attention launcher checks of q ([tokens or sequences, Hq, D]) and the
+    caches ([num_blocks, block_size, Hkv, D], q's dtype): Hq a multiple of Hkv, D at most 256."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), last_contiguous=True)
+    num_kv_heads = k_cache.shape[2]
+    check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
+    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
+    check_tensor("v_cache", v_cache, last_contiguous=True)
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q's {num_heads} heads must be a multiple of k_cache's {num_kv_heads} KV heads"
+        )
+    if head_dim > 256:
+        raise ValueError(f"q's head_dim must be <= 256, got {head_dim}")

@@ -7,11 +7,11 @@ import triton
 import triton.language as tl
 
 from engine.kernels._launch import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     attention_strides,
     check_devices,
     check_dot_shape,
+    check_paged_attention,
     check_tensor,
     dot_in_f32,
     dot_precision,
@@ -285,19 +285,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int)
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits) -> torch.Tensor:
     """The launchers' shared argument checks (the reference's contract). Returns out, allocated
     when None."""
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
-    batch, num_heads, head_dim = q.shape
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), last_contiguous=True)
-    num_kv_heads = k_cache.shape[2]
-    check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
-    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
-    check_tensor("v_cache", v_cache, last_contiguous=True)
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"q's {num_heads} heads must be a multiple of k_cache's {num_kv_heads} KV heads"
-        )
-    if head_dim > 256:
-        raise ValueError(f"q's head_dim must be <= 256, got {head_dim}")
+    check_paged_attention(q, k_cache, v_cache)
+    batch = q.shape[0]
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, shape=(batch,), contiguous=True)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, shape=(batch, None))
     check_tensor("block_tables", block_tables, last_contiguous=True)

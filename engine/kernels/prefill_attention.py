@@ -15,11 +15,11 @@ import triton
 import triton.language as tl
 
 from engine.kernels._launch import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     attention_strides,
     check_devices,
     check_dot_shape,
+    check_paged_attention,
     check_tensor,
     dot_in_f32,
     dot_precision,
@@ -261,19 +261,9 @@ def prefill_attention_triton(
     """Same contract as prefill_attention_ref. No host sync: the grid is sized from q.shape[0]
     and max_seqlen_q (q.shape[0] when None) picks the tile; metadata values are trusted.
     max_seq_len is unused (accepted for the common signature)."""
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    check_paged_attention(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), last_contiguous=True)
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
-    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
-    check_tensor("v_cache", v_cache, last_contiguous=True)
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"q's {num_heads} heads must be a multiple of k_cache's {num_kv_heads} KV heads"
-        )
-    if head_dim > 256:
-        raise ValueError(f"q's head_dim must be <= 256, got {head_dim}")
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
     num_seqs = seq_lens.shape[0]
     check_tensor(

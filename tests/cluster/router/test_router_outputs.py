@@ -9,8 +9,8 @@ from engines import make_engine
 
 from engine.cluster.router.outputs import apply_outputs, assemble
 from engine.cluster.router.request import Choice, RouterRequest
-from engine.cluster.worker.handoff import wire_output
 from engine.core.metrics import EngineMetrics
+from engine.ipc.wire import output_to_wire
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ def test_the_router_assembles_the_engines_outputs_exactly():
     steps = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            apply_outputs(req, [wire_output(c) for c in out.outputs])
+            apply_outputs(req, [output_to_wire(c, offsets=True) for c in out.outputs])
             got = assemble(req, stats, now=float(steps))
             assert [_fields(c) for c in got.outputs] == [_fields(c) for c in out.outputs]
             assert (got.request_id, got.prompt_token_ids, got.finished) == (
