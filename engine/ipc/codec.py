@@ -175,6 +175,8 @@ class Codec:
                 max_bin_len=-1 if self._bin_ok else 0,
                 max_ext_len=0,
             )
+        except msgpack.exceptions.StackError:
+            raise err("header nests deeper than msgpack's limit (1024 levels)") from None
         except Exception as exc:  # msgpack raises several types for garbage
             raise err(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
         if not isinstance(header, dict):

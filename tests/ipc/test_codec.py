@@ -169,6 +169,12 @@ def test_malformed_input_is_refused_naming_the_problem(frames, words):
         BLOBS.decode(frames)
 
 
+@pytest.mark.parametrize("name", CODECS)
+def test_a_header_nested_past_msgpacks_limit_is_refused_saying_so(name):
+    with pytest.raises(CodecError, match="nests deeper than msgpack's limit"):
+        CODECS[name].decode([b"\x91" * 5000 + b"\x00"])
+
+
 def test_check_frames_false_decodes_a_header_alone():
     assert BLOBS.decode([blob_header(count=2)], check_frames=False).count == 2
 
