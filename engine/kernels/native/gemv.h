@@ -178,7 +178,8 @@ static inline __attribute__((always_inline)) __m512 widen16_w(int wt, const void
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
     return _mm512_loadu_ps((const float *)w + k);
 }
-#elif defined(GEMV_AVX2)
+#endif
+#if defined(GEMV_AVX2)
 /* 8 weights from element k of w (16-bit or float32 codes), as float32. */
 static inline __attribute__((always_inline)) __m256 widen8_w(int wt, const void *w, int64_t k) {
     if (wt == DT_BF16)
@@ -199,6 +200,61 @@ static inline __attribute__((always_inline)) float gemv_hsum16(__m256 lo, __m256
     const __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
     const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
     return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, 1));
+}
+
+/* dots_float's vector part for rows m0 to m0 + R - 1 (R <= 3: their 4R accumulators and one
+   weight vector fit AVX2's 16 registers; the weights are widened again for each set of rows,
+   from L1). acc[j]: elements k + 8j to k + 8j + 7 of every 32; acc[0], acc[1] are lanes 0-15
+   of the AVX-512 path's acc[0], acc[2] and acc[3] those of its acc[1]. */
+static inline __attribute__((always_inline)) void dots_float_avx2(int wt, const Acts *a, int m0,
+                                                                  int R, const void *w,
+                                                                  float *out) {
+    const int64_t K = a->K;
+    const float *xf = a->f + m0 * K;
+    __m256 acc[4][3];
+    for (int r = 0; r < R; r++)
+        acc[0][r] = acc[1][r] = acc[2][r] = acc[3][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k + 32 <= K; k += 32)
+        for (int j = 0; j < 4; j++) {
+            const __m256 wj = widen8_w(wt, w, k + 8 * j);
+            for (int r = 0; r < R; r++)
+                acc[j][r] =
+                    _mm256_fmadd_ps(wj, _mm256_loadu_ps(xf + r * K + k + 8 * j), acc[j][r]);
+        }
+    for (int r = 0; r < R; r++)
+        out[m0 + r] = gemv_hsum16(_mm256_add_ps(acc[0][r], acc[2][r]),
+                                  _mm256_add_ps(acc[1][r], acc[3][r]));
+}
+
+/* dots_i8's exact int32 sums over one block (k0 up to a multiple of 32 below k1) for rows m0 to
+   m0 + R - 1 (R <= 4: 2R accumulators and two weight vectors in registers), added to accf
+   scaled. acc[h]: the pair sums of elements 16h to 16h + 15 of every 32, the int32 lanes 8h to
+   8h + 7 of the AVX512-VNNI path's (exact, so the same values whatever the order). */
+static inline __attribute__((always_inline)) void block_i8_avx2(const Acts *a, int m0, int R,
+                                                                const int8_t *w, int64_t blk,
+                                                                int64_t k0, int64_t k1,
+                                                                __m256 accf[2][GEMV_MAX_ROWS]) {
+    const int64_t K = a->K;
+    __m256i acc[2][4];
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_si256();
+    for (int64_t k = k0; k + 32 <= k1; k += 32) {
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
+        for (int r = 0; r < R; r++) {
+            const int16_t *x = a->q + (m0 + r) * K + k;
+            acc[0][r] = _mm256_add_epi32(
+                acc[0][r], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)));
+            acc[1][r] = _mm256_add_epi32(
+                acc[1][r],
+                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const int m = m0 + r;
+        const __m256 s = _mm256_set1_ps(a->qs[m * a->nb + blk]);
+        accf[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[0][r]), s, accf[0][m]);
+        accf[1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[1][r]), s, accf[1][m]);
+    }
 }
 #endif
 
@@ -221,21 +277,12 @@ static inline __attribute__((always_inline)) void dots_float(int wt, const Acts 
     }
     for (int m = 0; m < rows; m++) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
 #elif defined(GEMV_AVX2)
-    /* acc[j]: elements k + 8j to k + 8j + 7 of every 32; acc[0], acc[1] are lanes 0-15 of the
-       AVX-512 path's acc[0], acc[2] and acc[3] those of its acc[1]. */
-    __m256 acc[4][GEMV_MAX_ROWS];
-    for (int m = 0; m < rows; m++)
-        acc[0][m] = acc[1][m] = acc[2][m] = acc[3][m] = _mm256_setzero_ps();
-    for (; k + 32 <= K; k += 32)
-        for (int j = 0; j < 4; j++) {
-            const __m256 wj = widen8_w(wt, w, k + 8 * j);
-            for (int m = 0; m < rows; m++)
-                acc[j][m] =
-                    _mm256_fmadd_ps(wj, _mm256_loadu_ps(xf + m * K + k + 8 * j), acc[j][m]);
-        }
-    for (int m = 0; m < rows; m++)
-        out[m] = gemv_hsum16(_mm256_add_ps(acc[0][m], acc[2][m]),
-                             _mm256_add_ps(acc[1][m], acc[3][m]));
+    /* rows in sets of 3 (a constant row count unrolls this): each row's sums are the same */
+    int m0 = 0;
+    for (; m0 + 3 <= rows; m0 += 3) dots_float_avx2(wt, a, m0, 3, w, out);
+    if (rows - m0 == 2) dots_float_avx2(wt, a, m0, 2, w, out);
+    if (rows - m0 == 1) dots_float_avx2(wt, a, m0, 1, w, out);
+    k = K / 32 * 32;
 #endif
     for (; k < K; k++) {
         const float wk = load_f32(wt, w, k);
@@ -316,28 +363,11 @@ static inline __attribute__((always_inline)) void dots_i8(const Acts *a, int row
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, accf[m]);
         }
 #elif defined(GEMV_AVX2)
-        /* acc[h]: the pair sums of elements 16h to 16h + 15 of every 32, the int32 lanes 8h to
-           8h + 7 of the AVX512-VNNI path's (exact, so the same values whatever the order) */
-        __m256i acc[2][GEMV_MAX_ROWS];
-        for (int m = 0; m < rows; m++) acc[0][m] = acc[1][m] = _mm256_setzero_si256();
-        for (; k + 32 <= k1; k += 32) {
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
-            const __m256i w1 =
-                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
-            for (int m = 0; m < rows; m++) {
-                const int16_t *x = a->q + m * K + k;
-                acc[0][m] = _mm256_add_epi32(
-                    acc[0][m], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)));
-                acc[1][m] = _mm256_add_epi32(
-                    acc[1][m],
-                    _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-            }
-        }
-        for (int m = 0; m < rows; m++) {
-            const __m256 s = _mm256_set1_ps(a->qs[m * nb + blk]);
-            accf[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[0][m]), s, accf[0][m]);
-            accf[1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[1][m]), s, accf[1][m]);
-        }
+        int m0 = 0; /* rows in sets of 4 (a constant row count unrolls this) */
+        for (; m0 + 4 <= rows; m0 += 4) block_i8_avx2(a, m0, 4, w, blk, k0, k1, accf);
+        if (rows - m0 >= 2) block_i8_avx2(a, m0, 2, w, blk, k0, k1, accf), m0 += 2;
+        if (rows - m0 == 1) block_i8_avx2(a, m0, 1, w, blk, k0, k1, accf);
+        k = k0 + (k1 - k0) / 32 * 32;
 #endif
         for (int m = 0; m < rows; m++) {
             int32_t s = 0;
