@@ -18,17 +18,17 @@
      dtype already), multiplied in pairs into float32 sums (AVX512-BF16 vdpbf16ps).
    - float16 and float32 weights: float32 activations and FMAs after widening.
 
-   On AVX2 with FMA and F16C (x86-64-v3, GEMV_AVX2; also AVX-512 without VNNI for int8, and
-   without BF16 for bfloat16) the same sums in 8-lane registers: bfloat16 weights widened by a
-   16-bit shift and float16 ones by F16C (vcvtph2ps), against float32 activations with FMAs (for
-   bfloat16 the activations are bfloat16 values already, so the products are vdpbf16ps' exact
-   ones; only the order of the float32 sums differs); int8 weights sign-extended to int16 and
-   multiplied in pairs with the int16 activation blocks (vpmaddwd) into exact int32 sums per
-   block. Each pair of 8-lane
-   accumulators holds the lanes of one 16-lane AVX-512 accumulator, and the final sum adds them in
-   the tree of gcc's _mm512_reduce_add_ps, so the int8 path gives the bits of the AVX512-VNNI one
-   and the float path those of the AVX-512 F one (float16, float32 weights). Elsewhere plain
-   loops (GEMV_PATHS names what was compiled in, engine_gemv_paths reports it).
+   On AVX2 with FMA and F16C (x86-64-v3, GEMV_AVX2; for int8 also AVX-512 without VNNI) the same
+   sums in 8-lane registers, a few activation rows at a time (their accumulators in registers):
+   bfloat16 weights widened by a 16-bit shift and float16 ones by F16C (vcvtph2ps), against
+   float32 activations with FMAs (for bfloat16 the activations are bfloat16 values already, so the
+   products are vdpbf16ps' exact ones; only the order of the float32 sums differs); int8 weights
+   sign-extended to int16 and multiplied in pairs with the int16 activation blocks (vpmaddwd) into
+   exact int32 sums per block. Each pair of 8-lane accumulators holds the lanes of one 16-lane
+   AVX-512 accumulator, and the final sum adds them in the tree of gcc's _mm512_reduce_add_ps, so
+   the int8 path gives the bits of the AVX512-VNNI one and the float path those of the AVX-512 F
+   one (float16, float32 weights). Elsewhere plain loops (GEMV_PATHS names what was compiled in,
+   engine_gemv_paths reports it).
 
    The sums of a given weight code and K are formed in the same order whatever the row count, so a
    row's result does not depend on the rows beside it. */
