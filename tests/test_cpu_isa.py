@@ -109,6 +109,12 @@ def test_features_of_each_class():
     arm = isa("graviton2")
     assert not arm.x86 and not any(arm.features.values()) and arm.fast_paths() == []
     assert "fp16" in arm.slow_dtype_note("float16")
+    # the C row dots' vector paths (gemv.h): AVX-512, or AVX2 with FMA and F16C
+    assert avx2.c_float_row_dots and sky.c_float_row_dots and zen4.c_float_row_dots
+    assert "C row dots (AVX2)" in avx2.fast_paths() and "C row dots (AVX2)" not in sky.fast_paths()
+    model, flags = parse_cpuinfo(CPUINFO["epyc-avx2"])
+    assert not from_flags(flags - {"fma"}, model, "x86_64").c_float_row_dots
+    assert not arm.c_float_row_dots
 
 
 def test_a_cpu_missing_one_flag_of_a_class_is_the_class_below():
@@ -142,7 +148,7 @@ def test_the_cap_lowers_and_never_raises():
     zen4 = isa("zen4-bf16", "avx2")
     assert zen4.level == "avx2" and zen4.hardware_level == "avx512bf16"
     assert not (zen4.avx512f or zen4.avx512_bf16 or zen4.native_bf16)
-    assert not zen4.onednn_packs("bfloat16") and zen4.fast_paths() == []
+    assert not zen4.onednn_packs("bfloat16") and zen4.fast_paths() == ["C row dots (AVX2)"]
     assert zen4.march_flags() == ("-march=x86-64-v3",)
     assert zen4.torch_environment() == {
         "ATEN_CPU_CAPABILITY": "avx2",
@@ -256,6 +262,7 @@ out = {"capability": torch.backends.cpu.get_cpu_capability(),
        "mkldnn_bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
        "flags": list(native.compile_flags()), "level": cpu_isa.this_cpu().level}
 out["built"] = native.library() is not None
+out["gemv"] = native.row_dot_paths() if out["built"] else None
 path = native.library_path()
 if path is not None and shutil.which("objdump"):
     asm = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True).stdout
@@ -302,11 +309,12 @@ def test_under_avx2_torch_the_c_kernels_and_the_16_bit_engines_run_as_on_an_avx2
         assert out["built"], "the C kernels did not build for x86-64-v3"
         if "zmm" in out:  # the library uses AVX2's registers and never AVX-512's
             assert out["ymm"] and not out["zmm"]
+        assert out["gemv"] == {"int8": "avx2", "bf16": "avx2", "float": "avx2"}
     for name, (text, packed, native_decode) in out["answers"].items():
         assert "Paris" in text, (name, text)
         assert not packed, name  # oneDNN cannot pack bf16 on AVX2: the plain weights serve
-        # C decoder layers for int8 weights; the 16-bit ones' row dots are plain loops on AVX2
-        assert native_decode == (out["built"] and name.endswith("int8")), name
+        # C decoder layers for int8 and 16-bit weights alike: their row dots have AVX2 paths
+        assert native_decode == out["built"], name
     assert out["auto"] == "torch.float32"
     info = [m for lvl, m in out["log"] if lvl == "INFO" and "ISA level" in m]
     assert info and "ISA level avx2" in info[0] and "packed bf16 weights off" in info[0]

@@ -118,9 +118,9 @@ class LlamaForCausalLM(torch.nn.Module):
         """Run decode-only steps of up to NATIVE_DECODE_MAX_ROWS sequences through the C decoder
         layers (layers/native_decode.py) where they apply and pay: a 16-bit model on the CPU
         whose C kernels build here, with int8 weights (quantize_int8_ first) on any CPU, with
-        16-bit weights where the C row dots have their AVX-512 paths (cpu_isa: without them the
-        row dots are plain loops, and a bf16 decode step took 64 ms against the torch layers'
-        24 ms under ENGINE_CPU_ISA=avx2). ENGINE_KERNELS=torch turns them off at any time.
+        16-bit weights where the C row dots have their AVX-512 or AVX2 paths (cpu_isa: without
+        them the row dots are plain loops, and a bf16 decode step took 64 ms against the torch
+        layers' 24 ms). ENGINE_KERNELS=torch turns them off at any time.
         Returns whether they are on."""
         from engine import cpu_isa
 

@@ -3,10 +3,16 @@ dispatch."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import engine.kernels as kernels
+from engine import cpu_isa
 from engine.kernels import native
 from engine.kernels.int8_matmul import (
     INT8_GEMV_MAX_ROWS,
@@ -16,6 +22,8 @@ from engine.kernels.int8_matmul import (
 )
 from engine.layers.quant import dequantize_int8, quantize_int8
 
+REPO = Path(__file__).resolve().parents[2]
+TORCH_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
 
@@ -85,6 +93,43 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_and_nan_stays_in_its_row():
     got = int8_matmul_native(x, qw.qweight, qw.scales)
     assert torch.equal(got[0], together[0])
     assert not got[1].isfinite().any() and not got[2].isfinite().any()
+
+
+# Run under ENGINE_CPU_ISA=avx2 in a process of its own (the cap is read once per process).
+AVX2_RUN = """
+import sys, torch
+from engine.kernels import native
+from engine.kernels.int8_matmul import int8_matmul_native
+x, qw, scales = torch.load(sys.argv[1])
+torch.save((native.row_dot_paths(), int8_matmul_native(x, qw, scales)), sys.argv[1])
+"""
+
+
+@needs_cc
+@pytest.mark.skipif(
+    cpu_isa.LEVELS.index(cpu_isa.this_cpu().hardware_level) < cpu_isa.LEVELS.index("avx2"),
+    reason="ENGINE_CPU_ISA=avx2 needs an x86-64-v3 CPU",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_avx2_row_dots_give_the_bits_of_the_avx512_ones(tmp_path, dtype):
+    # gemv.h's AVX2 int8 path keeps the AVX512-VNNI path's int32 lanes (exact) and float32 sums
+    # lane for lane, so the two builds agree to the bit: here against this process's build.
+    qw, x = weights(80, 1576, dtype, seed=3)  # a partial last block, a tail after 32 columns
+    x = x[:11].clone() * 4
+    x[0, 5] = 700.0
+    mine = int8_matmul_native(x, qw.qweight, qw.scales)
+    path = tmp_path / "io.pt"
+    torch.save((x, qw.qweight, qw.scales), path)
+    env = {k: v for k, v in os.environ.items() if k not in TORCH_CAPS}
+    env.update(ENGINE_CPU_ISA="avx2", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", AVX2_RUN, str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    paths, theirs = torch.load(path)
+    assert paths["int8"] == "avx2"
+    if native.row_dot_paths()["int8"] not in ("avx2", "avx512vnni"):
+        pytest.skip(f"this build's int8 row dots are {native.row_dot_paths()['int8']}")
+    assert torch.equal(mine, theirs)
 
 
 @pytest.mark.parametrize("in_features", [64, 100, 200])

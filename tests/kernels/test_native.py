@@ -161,6 +161,29 @@ def test_built_for_this_cpu_under_its_cap():
         assert torch.backends.cpu.get_cpu_capability() == want
 
 
+def expected_row_dot_paths(isa: cpu_isa.CpuIsa) -> dict[str, str]:
+    """The row dots gemv.h must compile in for ``isa`` (its guards, by the features the target
+    flags give): AVX-512 where the cap allows it, AVX2 with FMA and F16C below, else loops."""
+    avx2 = isa.avx2 and isa.fma and isa.f16c
+    vec = "avx512" if isa.avx512f else ("avx2" if avx2 else "c")
+    return {
+        "int8": "avx512vnni" if isa.avx512_vnni and isa.avx512bw else ("avx2" if avx2 else "c"),
+        "bf16": "avx512bf16" if isa.avx512_bf16 and isa.avx512bw else vec,
+        "float": vec,
+    }
+
+
+@pytest.mark.skipif(not cpu_isa.this_cpu().x86, reason="the vector row dots are x86-64's")
+def test_row_dots_have_the_vector_paths_of_this_cpu_under_its_cap():
+    # What the library reports it compiled in (gemv.h's GEMV_PATHS): under make test's second
+    # pass (ENGINE_CPU_ISA=avx2) every weight kind must take the AVX2 path, not the plain loops.
+    isa = cpu_isa.this_cpu()
+    got = native.row_dot_paths()
+    assert got == expected_row_dot_paths(isa), (isa.level, got)
+    if isa.level == "avx2":
+        assert got == {"int8": "avx2", "bf16": "avx2", "float": "avx2"}
+
+
 def test_build_is_cached_and_a_failed_build_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "_state", {})

@@ -85,7 +85,7 @@ def test_top1_agreement_with_float32_and_chat_answers(reference, dtype, kw, min_
     agree = agreement(llm, ids, ref_top1)
     assert agree >= min_agreement, f"top-1 agreement with float32 {agree:.3f}"
     # Teacher-forced one token at a time: decode steps, run by the C layers where they build and
-    # pay (int8 weights on any CPU, bf16 weights where the row dots have their AVX-512 paths).
+    # pay (int8 weights on any CPU, bf16 weights where the row dots have AVX-512 or AVX2 paths).
     pays = "quantization" in kw or cpu_isa.this_cpu().c_float_row_dots
     assert llm.engine.runner.native_decode == (native.compiler() is not None and pays)
     decoded = llm.engine.prompt_logits(ids, chunk_size=1).argmax(-1)

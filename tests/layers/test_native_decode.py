@@ -152,6 +152,54 @@ def test_16_bit_and_int8_weights_are_as_accurate_as_the_torch_layers(dtype, int8
         torch.testing.assert_close(got.float(), exact, rtol=0.1, atol=0.1)
 
 
+@pytest.mark.parametrize(
+    "dtype, int8",
+    [
+        (torch.float32, False),
+        (torch.bfloat16, False),
+        (torch.float16, False),
+        (torch.bfloat16, True),
+    ],
+    ids=["float32", "bf16", "fp16", "int8"],
+)
+def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(dtype, int8):
+    # Every weight code's row dots (gemv.h, on this CPU's path: AVX-512, AVX2 or loops) sum in
+    # one order whatever the row count, and so does the rest of the layer: a sequence's hidden
+    # state and KV must not depend on the sequences beside it (1 row, or 16 in two groups of 8).
+    model = random_model(dtype, bias=True)
+    if int8:
+        model.quantize_int8_()
+    seq_lens = [7 * i + 3 for i in range(MAX_ROWS)]
+    g = torch.Generator().manual_seed(5)
+    num_blocks = sum(math.ceil(n / BLOCK) for n in seq_lens) + 2
+    cache = PagedKVCache(model.cfg, num_blocks, BLOCK, model.dtype, torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).to(dtype))
+    positions, meta = decode_step(seq_lens, num_blocks, g)
+    hidden = torch.randn(len(seq_lens), model.cfg.hidden_size, generator=g).to(dtype)
+
+    def run(rows):
+        kv = cache.kv.clone()
+        model.bind_kv_cache(kv)
+        sub = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[rows],
+            num_decode_tokens=len(rows),
+            decode_block_tables=meta.decode_block_tables[rows].contiguous(),
+            decode_seq_lens=meta.decode_seq_lens[rows],
+            decode_max_seq_len=max(seq_lens[r] for r in rows),
+        )
+        decoder = NativeDecoder(model, native.library(), native.DTYPE_CODES)
+        return decoder.run(hidden[rows].clone(), positions[rows], sub, None), kv
+
+    together, kv_together = run(list(range(len(seq_lens))))
+    for b in (0, 5, 8, len(seq_lens) - 1):
+        alone, kv_alone = run([b])
+        assert torch.equal(alone[0], together[b]), b
+        slot = int(meta.slot_mapping[b])  # [layers, 2, slots, kv heads, dim] below
+        assert torch.equal(
+            kv_alone.flatten(2, 3)[:, :, slot], kv_together.flatten(2, 3)[:, :, slot]
+        ), b
+
+
 def test_the_hook_runs_after_each_layer_wrote_its_kv():
     # The cluster streams layer i's KV from hook(i): it must be written by then.
     model = random_model(torch.bfloat16)
@@ -196,7 +244,7 @@ def test_bad_slots_positions_and_tables_raise_and_write_nothing():
 @pytest.mark.skipif(
     not cpu_isa.this_cpu().c_float_row_dots,
     reason="the engine serves bf16 weights by the C layers only where their row dots have the "
-    "AVX-512 paths (test_which_weights_take_them_on_this_cpu checks the rest)",
+    "AVX-512 or AVX2 paths (test_which_weights_take_them_on_this_cpu checks the rest)",
 )
 def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch):
     calls = []
@@ -243,9 +291,9 @@ def test_not_for_float32_or_compiled_models():
 
 @pytest.mark.skipif(native.compiler() is None, reason="no C compiler: no C layers at all")
 def test_which_weights_take_them_on_this_cpu():
-    """int8 weights on every CPU; 16-bit weights only where the C row dots have their AVX-512
-    paths (cpu_isa.CpuIsa.c_float_row_dots): below, those are plain loops, slower than the torch
-    layers (make test runs this again under ENGINE_CPU_ISA=avx2)."""
+    """int8 weights on every CPU; 16-bit weights only where the C row dots have their AVX-512 or
+    AVX2 paths (cpu_isa.CpuIsa.c_float_row_dots): below, those are plain loops, slower than the
+    torch layers (make test runs this again under ENGINE_CPU_ISA=avx2, where they are on)."""
 
     def runner(**kw):
         cfg = EngineConfig(model=str(tiny_model("llama")), dtype="bfloat16", device="cpu",

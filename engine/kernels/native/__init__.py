@@ -178,6 +178,8 @@ def _load() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
+    lib.engine_gemv_paths.argtypes = []
+    lib.engine_gemv_paths.restype = ctypes.c_char_p
     problems = structs.check(lib)
     if problems:
         raise NativeUnavailable(
@@ -210,6 +212,16 @@ def library_path() -> Path | None:
     them or where they could not be built."""
     path = _state.get("path") if _state.get("lib") is not None else None
     return path  # type: ignore[return-value]
+
+
+def row_dot_paths() -> dict[str, str]:
+    """The row dots (gemv.h) the loaded kernels were compiled with, by weight kind ("int8",
+    "bf16", "float": float16 and float32): "avx512vnni", "avx512bf16", "avx512", "avx2" or "c"
+    (plain loops). NativeUnavailable where the kernels cannot be built."""
+    lib = library()
+    if lib is None:
+        raise NativeUnavailable(str(_state["error"]))
+    return dict(p.split(":", 1) for p in lib.engine_gemv_paths().decode().split())
 
 
 def library_for(**tensors: torch.Tensor) -> ctypes.CDLL:

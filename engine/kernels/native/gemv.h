@@ -18,6 +18,18 @@
      dtype already), multiplied in pairs into float32 sums (AVX512-BF16 vdpbf16ps).
    - float16 and float32 weights: float32 activations and FMAs after widening.
 
+   On AVX2 with FMA and F16C (x86-64-v3, GEMV_AVX2; for int8 also AVX-512 without VNNI) the same
+   sums in 8-lane registers, a few activation rows at a time (their accumulators in registers):
+   bfloat16 weights widened by a 16-bit shift and float16 ones by F16C (vcvtph2ps), against
+   float32 activations with FMAs (for bfloat16 the activations are bfloat16 values already, so the
+   products are vdpbf16ps' exact ones; only the order of the float32 sums differs); int8 weights
+   sign-extended to int16 and multiplied in pairs with the int16 activation blocks (vpmaddwd) into
+   exact int32 sums per block. Each pair of 8-lane accumulators holds the lanes of one 16-lane
+   AVX-512 accumulator, and the final sum adds them in the tree of gcc's _mm512_reduce_add_ps, so
+   the int8 path gives the bits of the AVX512-VNNI one and the float path those of the AVX-512 F
+   one (float16, float32 weights). Elsewhere plain loops (GEMV_PATHS names what was compiled in,
+   engine_gemv_paths reports it).
+
    The sums of a given weight code and K are formed in the same order whatever the row count, so a
    row's result does not depend on the rows beside it. */
 
@@ -27,7 +39,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -43,6 +55,31 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GEMV_BF16 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GEMV_AVX2 1
+#endif
+
+/* The row dots compiled in, by weight code: "int8:<path> bf16:<path> float:<path>". */
+#if defined(GEMV_VNNI)
+#define GEMV_PATH_I8 "avx512vnni"
+#elif defined(GEMV_AVX2)
+#define GEMV_PATH_I8 "avx2"
+#else
+#define GEMV_PATH_I8 "c"
+#endif
+#if defined(__AVX512F__)
+#define GEMV_PATH_FLOAT "avx512"
+#elif defined(GEMV_AVX2)
+#define GEMV_PATH_FLOAT "avx2"
+#else
+#define GEMV_PATH_FLOAT "c"
+#endif
+#if defined(GEMV_BF16)
+#define GEMV_PATH_BF16 "avx512bf16"
+#else
+#define GEMV_PATH_BF16 GEMV_PATH_FLOAT
+#endif
+#define GEMV_PATHS "int8:" GEMV_PATH_I8 " bf16:" GEMV_PATH_BF16 " float:" GEMV_PATH_FLOAT
 
 typedef struct {
     int rows;
@@ -121,9 +158,11 @@ static inline int acts_prepare(Acts *a, int wt, const float *xf, int rows, int64
                 }
             }
     } else if (wt == DT_BF16) {
+#if defined(GEMV_BF16) /* elsewhere dots_bf16 reads the float32 rows (bfloat16 values already) */
         a->b = malloc(sizeof(uint16_t) * n);
         if (!a->b) return -2;
         for (size_t i = 0; i < (size_t)rows * (size_t)K; i++) a->b[i] = f32_to_bf16(xf[i]);
+#endif
     }
     return 0;
 }
@@ -138,6 +177,84 @@ static inline __attribute__((always_inline)) __m512 widen16_w(int wt, const void
     if (wt == DT_F16)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
     return _mm512_loadu_ps((const float *)w + k);
+}
+#endif
+#if defined(GEMV_AVX2)
+/* 8 weights from element k of w (16-bit or float32 codes), as float32. */
+static inline __attribute__((always_inline)) __m256 widen8_w(int wt, const void *w, int64_t k) {
+    if (wt == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k))),
+            16));
+    if (wt == DT_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k)));
+    return _mm256_loadu_ps((const float *)w + k);
+}
+#endif
+
+#if defined(GEMV_AVX2)
+/* The sum of the 16 lanes (lo: 0-7, hi: 8-15) of one AVX-512 register, added in the order of
+   gcc's _mm512_reduce_add_ps: halves, quarters, then lanes {0, 2} and {1, 3}. */
+static inline __attribute__((always_inline)) float gemv_hsum16(__m256 lo, __m256 hi) {
+    const __m256 h = _mm256_add_ps(hi, lo);
+    const __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, 1));
+}
+
+/* dots_float's vector part for rows m0 to m0 + R - 1 (R <= 3: their 4R accumulators and one
+   weight vector fit AVX2's 16 registers; the weights are widened again for each set of rows,
+   from L1). acc[j]: elements k + 8j to k + 8j + 7 of every 32; acc[0], acc[1] are lanes 0-15
+   of the AVX-512 path's acc[0], acc[2] and acc[3] those of its acc[1]. */
+static inline __attribute__((always_inline)) void dots_float_avx2(int wt, const Acts *a, int m0,
+                                                                  int R, const void *w,
+                                                                  float *out) {
+    const int64_t K = a->K;
+    const float *xf = a->f + m0 * K;
+    __m256 acc[4][3];
+    for (int r = 0; r < R; r++)
+        acc[0][r] = acc[1][r] = acc[2][r] = acc[3][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k + 32 <= K; k += 32)
+        for (int j = 0; j < 4; j++) {
+            const __m256 wj = widen8_w(wt, w, k + 8 * j);
+            for (int r = 0; r < R; r++)
+                acc[j][r] =
+                    _mm256_fmadd_ps(wj, _mm256_loadu_ps(xf + r * K + k + 8 * j), acc[j][r]);
+        }
+    for (int r = 0; r < R; r++)
+        out[m0 + r] = gemv_hsum16(_mm256_add_ps(acc[0][r], acc[2][r]),
+                                  _mm256_add_ps(acc[1][r], acc[3][r]));
+}
+
+/* dots_i8's exact int32 sums over one block (k0 up to a multiple of 32 below k1) for rows m0 to
+   m0 + R - 1 (R <= 4: 2R accumulators and two weight vectors in registers), added to accf
+   scaled. acc[h]: the pair sums of elements 16h to 16h + 15 of every 32, the int32 lanes 8h to
+   8h + 7 of the AVX512-VNNI path's (exact, so the same values whatever the order). */
+static inline __attribute__((always_inline)) void block_i8_avx2(const Acts *a, int m0, int R,
+                                                                const int8_t *w, int64_t blk,
+                                                                int64_t k0, int64_t k1,
+                                                                __m256 accf[2][GEMV_MAX_ROWS]) {
+    const int64_t K = a->K;
+    __m256i acc[2][4];
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_si256();
+    for (int64_t k = k0; k + 32 <= k1; k += 32) {
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
+        for (int r = 0; r < R; r++) {
+            const int16_t *x = a->q + (m0 + r) * K + k;
+            acc[0][r] = _mm256_add_epi32(
+                acc[0][r], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)));
+            acc[1][r] = _mm256_add_epi32(
+                acc[1][r],
+                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const int m = m0 + r;
+        const __m256 s = _mm256_set1_ps(a->qs[m * a->nb + blk]);
+        accf[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[0][r]), s, accf[0][m]);
+        accf[1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[1][r]), s, accf[1][m]);
+    }
 }
 #endif
 
@@ -159,6 +276,13 @@ static inline __attribute__((always_inline)) void dots_float(int wt, const Acts 
         }
     }
     for (int m = 0; m < rows; m++) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
+#elif defined(GEMV_AVX2)
+    /* rows in sets of 3 (a constant row count unrolls this): each row's sums are the same */
+    int m0 = 0;
+    for (; m0 + 3 <= rows; m0 += 3) dots_float_avx2(wt, a, m0, 3, w, out);
+    if (rows - m0 == 2) dots_float_avx2(wt, a, m0, 2, w, out);
+    if (rows - m0 == 1) dots_float_avx2(wt, a, m0, 1, w, out);
+    k = K / 32 * 32;
 #endif
     for (; k < K; k++) {
         const float wk = load_f32(wt, w, k);
@@ -208,6 +332,9 @@ static inline __attribute__((always_inline)) void dots_i8(const Acts *a, int row
 #if defined(GEMV_VNNI)
     __m512 accf[GEMV_MAX_ROWS];
     for (int m = 0; m < rows; m++) accf[m] = _mm512_setzero_ps();
+#elif defined(GEMV_AVX2)
+    __m256 accf[2][GEMV_MAX_ROWS]; /* lanes 0-7 and 8-15 of the AVX512-VNNI path's accf */
+    for (int m = 0; m < rows; m++) accf[0][m] = accf[1][m] = _mm256_setzero_ps();
 #endif
     for (int64_t blk = 0; blk < nb; blk++) {
         const int64_t k0 = blk * GEMV_BLOCK, k1 = k0 + GEMV_BLOCK < K ? k0 + GEMV_BLOCK : K;
@@ -235,6 +362,12 @@ static inline __attribute__((always_inline)) void dots_i8(const Acts *a, int row
             const __m512i sum = _mm512_add_epi32(acc[0][m], acc[1][m]);
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, accf[m]);
         }
+#elif defined(GEMV_AVX2)
+        int m0 = 0; /* rows in sets of 4 (a constant row count unrolls this) */
+        for (; m0 + 4 <= rows; m0 += 4) block_i8_avx2(a, m0, 4, w, blk, k0, k1, accf);
+        if (rows - m0 >= 2) block_i8_avx2(a, m0, 2, w, blk, k0, k1, accf), m0 += 2;
+        if (rows - m0 == 1) block_i8_avx2(a, m0, 1, w, blk, k0, k1, accf);
+        k = k0 + (k1 - k0) / 32 * 32;
 #endif
         for (int m = 0; m < rows; m++) {
             int32_t s = 0;
@@ -245,6 +378,8 @@ static inline __attribute__((always_inline)) void dots_i8(const Acts *a, int row
     for (int m = 0; m < rows; m++) {
 #if defined(GEMV_VNNI)
         out[m] = _mm512_reduce_add_ps(accf[m]) + tail[m];
+#elif defined(GEMV_AVX2)
+        out[m] = gemv_hsum16(accf[0][m], accf[1][m]) + tail[m];
 #else
         out[m] = tail[m];
 #endif

@@ -13,6 +13,10 @@
 
 #define ROW_BLOCK 16 /* output rows per work item */
 
+/* The row dots gemv.h compiled in here (GEMV_PATHS): "int8:<path> bf16:<path> float:<path>",
+   each path avx512vnni, avx512bf16, avx512, avx2 or c (plain loops). */
+const char *engine_gemv_paths(void) { return GEMV_PATHS; }
+
 /* x [rows, K] (row stride sx, dtype dt), w [N, K] int8 contiguous, scales [N] (dtype dt), y [rows,
    N] (row stride sy, dtype dt). Returns 0, -1 for more than GEMV_ROWS_LIMIT rows, -2 without
    memory. */
