@@ -131,6 +131,18 @@ class CpuIsa:
         computed in float32."""
         return self.avx512_fp16
 
+    def multiplies(self, dtype_name: str) -> bool:
+        """Whether a GEMM in ``dtype_name`` ("bfloat16", "float16", "float32") runs in hardware
+        here (native_bf16, native_fp16; float32 always). Where it does not, torch converts every
+        product to float32 and runs slower than float32 itself: under ENGINE_CPU_ISA=avx2 a bf16
+        GEMM of 512 x 576 -> 1536 took 80 against 20 ms in float32 (docs/cpu.md), so the int8
+        matmul for many rows widens int8 weights to float32 there."""
+        if dtype_name == "bfloat16":
+            return self.native_bf16
+        if dtype_name == "float16":
+            return self.native_fp16
+        return dtype_name == "float32"
+
     @property
     def c_float_row_dots(self) -> bool:
         """Whether the C kernels' row dots over 16-bit float weights (native/gemv.h) have their

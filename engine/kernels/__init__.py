@@ -14,7 +14,12 @@ import torch
 
 from engine import envs
 from engine.kernels.decode_attention import decode_attention_native, decode_attention_ref
-from engine.kernels.int8_matmul import int8_matmul_native, int8_matmul_ref
+from engine.kernels.int8_matmul import (
+    INT8_GEMV_MAX_ROWS,
+    int8_matmul_blocked,
+    int8_matmul_native,
+    int8_matmul_ref,
+)
 from engine.kernels.kv_copy import kv_gather_ref, kv_scatter_ref
 from engine.kernels.kv_store import kv_store_ref
 from engine.kernels.prefill_attention import prefill_attention_ref
@@ -70,6 +75,8 @@ def int8_matmul(x, qweight, scales):
     """x [rows, in] 16-bit @ (qweight [out, in] int8 * scales [out])^T -> [rows, out]."""
     if use_native(x.device):
         return int8_matmul_native(x, qweight, scales)
+    if x.device.type == "cpu" and x.shape[0] > INT8_GEMV_MAX_ROWS:
+        return int8_matmul_blocked(x, qweight, scales)
     return int8_matmul_ref(x, qweight, scales)
 
 

@@ -24,22 +24,68 @@ INT8_GEMV_MAX_ROWS = 8
 # from 32 rows here (profiling/bench_int8.py: 16 rows 32.3 against 36.6 ms, 32 rows 65.4 against
 # 46.4).
 NATIVE_INT8_MAX_ROWS = 16
+# The most bytes of weight the many-row path widens at once (int8_matmul_blocked): every
+# projection of the default model is one tile, in float32 too (1536 x 576 x 4 = 3.5 MB).
+INT8_TILE_BYTES = 4 << 20
+
+
+def gemm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the int8 matmul multiplies many rows in: x's own on CUDA and on a CPU that
+    multiplies it in hardware (``CpuIsa.multiplies``: bf16 with AVX512-BF16 or AMX), float32 on
+    other CPUs, where a 16-bit GEMM converts every product and runs several times slower than
+    float32 (docs/cpu.md). The float32 weights are exact there: int8 times a 16-bit scale fits
+    float32's 24-bit mantissa."""
+    if x.device.type != "cpu" or x.dtype == torch.float32:
+        return x.dtype
+    from engine.cpu_isa import this_cpu
+
+    name = str(x.dtype).removeprefix("torch.")
+    return x.dtype if this_cpu().multiplies(name) else torch.float32
 
 
 def int8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [rows, in]; qweight [out, in] int8; scales [out] in x's dtype. Returns [rows, out].
+    A few rows: ``_weight_int8pack_mm``, which reads the int8 weight directly; more: the whole
+    weight dequantized to ``gemm_dtype(x)`` and one GEMM, rounded once to x's dtype.
     ``_weight_int8pack_mm`` returns garbage on the CPU when ``in`` is not a multiple of 16
     (torch 2.13; e.g. 1e18 for 100), so such weights are dequantized instead."""
     if x.shape[0] <= INT8_GEMV_MAX_ROWS and x.shape[1] % 16 == 0:
         return torch._weight_int8pack_mm(x.contiguous(), qweight, scales)
-    return F.linear(x, qweight.to(x.dtype) * scales[:, None])
+    dt = gemm_dtype(x)
+    return F.linear(x.to(dt), qweight.to(dt) * scales.to(dt)[:, None]).to(x.dtype)
+
+
+def int8_matmul_blocked(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as int8_matmul_ref, for many rows (prefill): the weight is dequantized to
+    ``gemm_dtype(x)`` a tile of output rows at a time (at most INT8_TILE_BYTES widened, so a
+    large weight, e.g. a 7B model's 11008 x 4096 MLP or an LM head, never exists widened whole)
+    and each tile is one GEMM against all of x, rounded once to x's dtype. Every output is the
+    same dot product as in the reference (exact weights in float32, float32 sums)."""
+    check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int8,), shape=(None, x.shape[1]))
+    check_tensor("scales", scales, dtypes=(x.dtype,), shape=(qweight.shape[0],))
+    dt = gemm_dtype(x)
+    out_features, in_features = qweight.shape
+    tile = max(16, INT8_TILE_BYTES // max(1, in_features * dt.itemsize) // 16 * 16)
+    xd = x.to(dt)
+    if tile >= out_features:
+        return F.linear(xd, qweight.to(dt) * scales.to(dt)[:, None]).to(x.dtype)
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    for n0 in range(0, out_features, tile):
+        n1 = min(n0 + tile, out_features)
+        w = qweight[n0:n1].to(dt) * scales[n0:n1].to(dt)[:, None]
+        y[:, n0:n1] = F.linear(xd, w)
+    return y
 
 
 def int8_matmul_native(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 ) -> torch.Tensor:
-    """Same contract as int8_matmul_ref, on CPU tensors: up to INT8_GEMV_MAX_ROWS rows by the C
-    kernel (each int8 row read once for every row of x, float32 sums), more by the reference."""
+    """Same contract as int8_matmul_ref, on CPU tensors: up to NATIVE_INT8_MAX_ROWS rows by the C
+    kernel (each int8 row read once for every row of x, float32 sums), more by
+    int8_matmul_blocked."""
     from engine.kernels import native
 
     check_tensor("x", x, ndim=2, dtypes=tuple(native.DTYPE_CODES), last_contiguous=True)
@@ -48,7 +94,7 @@ def int8_matmul_native(
     check_tensor("scales", scales, dtypes=(x.dtype,), shape=(qweight.shape[0],), contiguous=True)
     rows = x.shape[0]
     if rows > NATIVE_INT8_MAX_ROWS:
-        return int8_matmul_ref(x, qweight, scales)
+        return int8_matmul_blocked(x, qweight, scales)
     lib = native.library_for(x=x, qweight=qweight, scales=scales)
     y = torch.empty(rows, qweight.shape[0], dtype=x.dtype)
     rc = lib.engine_int8_matmul(

@@ -3,6 +3,8 @@ dispatch."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 import subprocess
 import sys
@@ -17,10 +19,15 @@ from engine.kernels import native
 from engine.kernels.int8_matmul import (
     INT8_GEMV_MAX_ROWS,
     NATIVE_INT8_MAX_ROWS,
+    gemm_dtype,
+    int8_matmul_blocked,
     int8_matmul_native,
     int8_matmul_ref,
 )
 from engine.layers.quant import dequantize_int8, quantize_int8
+
+# the module (engine.kernels.int8_matmul is also the name of the dispatching function)
+int8_module = importlib.import_module("engine.kernels.int8_matmul")
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -143,10 +150,90 @@ def test_reference_is_right_for_any_width(in_features):
     )
 
 
+# The default model's projections (out, in): fused qkv, o_proj, fused gate_up, down_proj.
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [1, 7, 64, 513])  # decode sizes, then prefill sizes
+def test_every_path_matches_float_math_at_the_model_shapes(rows, shape, dtype):
+    # What the engine runs (kernels.int8_matmul: the C kernel up to 16 rows, the blocked GEMM
+    # beyond; the torch paths without the C kernels) against the exact product.
+    g = torch.Generator().manual_seed(rows)
+    qw = quantize_int8(torch.randn(*shape, generator=g) * 0.05, dtype)
+    x = torch.randn(rows, shape[1], generator=g).to(dtype)
+    w = dequantize_int8(qw, torch.float64)
+    exact = x.double() @ w.T
+    got = kernels.int8_matmul(x, qw.qweight, qw.scales)
+    assert got.dtype == dtype and got.shape == (rows, shape[0])
+    # one rounding to the 16-bit dtype, float32 sums
+    bound = exact.abs() * 2.0 ** -(8 if dtype == torch.bfloat16 else 11)
+    bound += 1e-6 * (x.double().abs() @ w.abs().T)
+    if rows <= NATIVE_INT8_MAX_ROWS or gemm_dtype(x) == torch.float32:
+        # the C kernel (activations as int16: 2^-16 of the row's largest at most) or exact
+        # float32 weights
+        row_max = x.double().abs().amax(1, keepdim=True)
+        bound += row_max * 2.0**-16 @ w.abs().sum(1, keepdim=True).T
+        assert ((got.double() - exact).abs() <= bound).all()
+    else:
+        # a 16-bit GEMM (where the CPU multiplies the dtype): each weight rounded to it first
+        bound += (x.double().abs() @ w.abs().T) * 2.0 ** -(9 if dtype == torch.bfloat16 else 12)
+        assert ((got.double() - exact).abs() <= bound).all()
+    ref = int8_matmul_ref(x, qw.qweight, qw.scales)
+    torch.testing.assert_close(got, ref, rtol=2**-6, atol=0.05)
+
+
+def test_many_rows_multiply_in_float32_where_the_cpu_lacks_16_bit_products(monkeypatch):
+    x = torch.zeros(2, 16, dtype=torch.bfloat16)
+    assert gemm_dtype(x.float()) == torch.float32
+    for bf16, fp16 in ((True, False), (False, False), (False, True)):
+        fake = dataclasses.replace(
+            cpu_isa.this_cpu(), avx512_bf16=bf16, amx_bf16=False, avx512_fp16=fp16
+        )
+        monkeypatch.setattr(cpu_isa, "this_cpu", lambda fake=fake: fake)
+        assert gemm_dtype(x) == (torch.bfloat16 if bf16 else torch.float32)
+        assert gemm_dtype(x.half()) == (torch.float16 if fp16 else torch.float32)
+    monkeypatch.undo()
+    expected = torch.bfloat16 if cpu_isa.this_cpu().native_bf16 else torch.float32
+    assert gemm_dtype(x) == expected  # under ENGINE_CPU_ISA=avx2: float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_blocked_path_widens_a_tile_at_a_time_and_gives_the_whole_weights_result(
+    monkeypatch, dtype
+):
+    qw, _ = weights(200, 96, dtype, seed=4)
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(5)).to(dtype)
+    whole = int8_matmul_blocked(x, qw.qweight, qw.scales)  # one tile
+    assert torch.equal(whole, int8_matmul_ref(x, qw.qweight, qw.scales))
+    widened = []
+    real_linear = int8_module.F.linear
+
+    def linear(a, w):
+        widened.append(w.shape[0])
+        return real_linear(a, w)
+
+    itemsize = gemm_dtype(x).itemsize
+    monkeypatch.setattr(int8_module, "INT8_TILE_BYTES", 48 * 96 * itemsize)  # 48-row tiles
+    monkeypatch.setattr(int8_module.F, "linear", linear)
+    tiled = int8_matmul_blocked(x, qw.qweight, qw.scales)
+    assert widened == [48, 48, 48, 48, 8]
+    assert tiled.dtype == dtype and tiled.shape == (40, 200)
+    torch.testing.assert_close(tiled, whole, rtol=2**-7, atol=1e-3)
+    exact = x.double() @ dequantize_int8(qw, torch.float64).T
+    # (a 16-bit GEMM, where the CPU has one, rounds the weights to 16 bits first)
+    torch.testing.assert_close(tiled.double(), exact.to(dtype).double(), rtol=2e-2, atol=1e-2)
+
+
 @needs_cc
-def test_more_rows_than_the_kernel_takes_use_the_reference():
+def test_more_rows_than_the_kernel_takes_use_the_blocked_gemm(monkeypatch):
     qw, x = weights(40, 64, torch.bfloat16)
+    calls = []
+    real = int8_module.int8_matmul_blocked
+    monkeypatch.setattr(int8_module, "int8_matmul_blocked", lambda *a: calls.append(1) or real(*a))
     got = int8_matmul_native(x, qw.qweight, qw.scales)  # NATIVE_INT8_MAX_ROWS + 4 rows
+    assert calls == [1]
     assert torch.equal(got, int8_matmul_ref(x, qw.qweight, qw.scales))
 
 
@@ -182,3 +269,11 @@ def test_cpu_dispatch(monkeypatch):
     monkeypatch.setenv("ENGINE_KERNELS", "torch")
     kernels.int8_matmul(x[:1], qw.qweight, qw.scales)
     assert calls == [1]
+    # without the C kernel, many rows still take the blocked GEMM, not the whole-weight one
+    blocked, real_blocked = [], kernels.int8_matmul_blocked
+    monkeypatch.setattr(
+        kernels, "int8_matmul_blocked", lambda *a: blocked.append(1) or real_blocked(*a)
+    )
+    kernels.int8_matmul(x[: INT8_GEMV_MAX_ROWS + 1], qw.qweight, qw.scales)
+    kernels.int8_matmul(x[:INT8_GEMV_MAX_ROWS], qw.qweight, qw.scales)
+    assert blocked == [1]
