@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 PATHS = (
     "tests/kernels",
     "tests/layers/test_low_precision.py",
+    "tests/layers/test_quant.py",
     "tests/layers/test_native_decode.py",
     "tests/model/test_models_vs_transformers.py",
     "tests/cluster/test_cluster_bf16.py",
