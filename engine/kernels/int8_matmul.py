@@ -3,7 +3,10 @@
 Decode at small batch streams every weight once per step, so its speed is bytes of weights per
 step: int8 halves bf16's. The reference reads the int8 weight directly through
 ``torch._weight_int8pack_mm`` for a few rows (a GEMV-shaped kernel) and dequantizes once per call
-for more rows (prefill), where the 16-bit GEMM's FLOPs dominate anyway. On the CPU the few-row
+for more rows (prefill), where the GEMM's FLOPs dominate anyway. The engine's many-row path,
+int8_matmul_blocked, dequantizes a tile of output rows at a time and multiplies in float32 on a
+CPU without 16-bit products (under ENGINE_CPU_ISA=avx2 a bf16 GEMM of 512 x 576 -> 1536 took 96
+ms against 24 in float32; docs/cpu.md). On the CPU the few-row
 case (up to NATIVE_INT8_MAX_ROWS) runs the C kernel of native/int8_matmul.c instead: over the
 default model's 120 projections (weights streamed from memory, as in a decode step) 6.6 against
 9.9 ms at 1 row and 7.3 against 11.7 ms at 2 rows here (profiling/bench_int8.py).
