@@ -145,13 +145,14 @@ class CpuIsa:
 
     @property
     def c_float_row_dots(self) -> bool:
-        """Whether the C kernels' row dots over 16-bit float weights (native/gemv.h) have their
-        vector paths here: AVX-512 F and BW (the bf16 ones vdpbf16ps with AVX512-BF16), or AVX2
-        with FMA and F16C (bf16 widened by a shift, fp16 by F16C, FMAs). With them the C decoder
-        layers beat the torch layers at every row count they take, on AVX2 too (bf16 decode steps
-        under ENGINE_CPU_ISA=avx2, see docs/cpu.md); below, the row dots are plain loops, slower
-        than the torch layers' oneDNN GEMMs (a bf16 step took 64 ms against 24), so the C decoder
-        layers serve 16-bit weights only where this holds (int8 weights everywhere)."""
+        """Whether the C kernels' row dots over float weights (float32, bf16, fp16; native/gemv.h)
+        have their vector paths here: AVX-512 F and BW (the bf16 ones vdpbf16ps with
+        AVX512-BF16), or AVX2 with FMA and F16C (bf16 widened by a shift, fp16 by F16C, FMAs).
+        With them the C decoder layers beat the torch layers at every row count they take, on
+        AVX2 too (bf16 and float32 decode steps under ENGINE_CPU_ISA=avx2, see docs/cpu.md);
+        below, the row dots are plain loops, slower than the torch layers' oneDNN GEMMs (a bf16
+        step took 64 ms against 24), so the C decoder layers serve float weights only where this
+        holds (int8 weights everywhere)."""
         return (self.avx512f and self.avx512bw) or (self.avx2 and self.fma and self.f16c)
 
     def onednn_packs(self, dtype_name: str) -> bool:

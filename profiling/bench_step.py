@@ -9,7 +9,11 @@ decode attention of every layer timed alone on the same inputs, through its Pyth
 share is of the forward. Steps of up to 8 sequences of a 16-bit model run the C decoder layers
 (layers/native_decode.py), where the same attention kernel runs without the launcher, so there the
 column overstates it by the launcher's ~20 us per layer (ENGINE_KERNELS=torch: the torch layers).
-``--profile`` adds torch.profiler's top ops by self CPU time.
+``--profile`` adds torch.profiler's top ops by self CPU time. ``--layers both`` times every case's
+step through the torch layers and through the C decoder layers (forced on, whatever the engine
+chose), one step of each in turn, so that a shared machine's drift hits both alike; ``--floor``
+adds the batch-1 bound of streaming the model's weights once per token at this machine's GEMV
+bandwidth (engine/bench/machine.py, measured in the same run).
 """
 
 from __future__ import annotations
@@ -47,21 +51,47 @@ def decode_inputs(batch: int, context: int, block_size: int, num_blocks: int, vo
 def timed(fn, reps: int) -> float:
     """Best of ``reps`` calls, in process CPU seconds when --cpu-time (robust to other processes
     taking the cores; use it with one thread), else wall seconds."""
+    return timed_in_turn([fn], reps)[0]
+
+
+def timed_in_turn(fns, reps: int) -> list[float]:
+    """Best of ``reps`` calls of each of ``fns``, called in turn (one of each per round)."""
     clock = time.process_time if CPU_TIME else time.perf_counter
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = clock()
+    for fn in fns:
         fn()
-        best = min(best, clock() - t0)
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = clock()
+            fn()
+            best[i] = min(best[i], clock() - t0)
     return best
 
 
 CPU_TIME = False
 
 
+def with_layers(model, layers: str, fn):
+    """``fn`` run with the decoder layers ``layers`` names: "engine" (its choice), "torch" or "c"
+    (the C decoder layers forced on; the step must be one they take)."""
+    if layers == "engine":
+        return fn
+
+    def run():
+        chosen = model.native_decode
+        model.native_decode = layers == "c"
+        try:
+            return fn()
+        finally:
+            model.native_decode = chosen
+
+    return run
+
+
 @torch.inference_mode()
-def run_case(engine: LLMEngine, batch: int, context: int, reps: int, profile: bool) -> dict:
+def run_case(
+    engine: LLMEngine, batch: int, context: int, reps: int, profile: bool, layers: list[str]
+) -> dict:
     model, cfg = engine.model, engine.model_config
     ids, pos, meta = decode_inputs(
         batch, context, engine.cache.block_size, engine.cache.num_blocks, cfg.vocab_size
@@ -72,7 +102,8 @@ def run_case(engine: LLMEngine, batch: int, context: int, reps: int, profile: bo
         hidden = runner.forward(ids, pos, meta)
         return model.compute_logits(hidden).float()
 
-    step_s = timed(step, reps)
+    steps = timed_in_turn([with_layers(model, name, step) for name in layers], reps)
+    step_s = steps[0]
     q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=engine.dtype)
     layer = model.layers[0].attn
     out = torch.empty_like(q)
@@ -92,6 +123,7 @@ def run_case(engine: LLMEngine, batch: int, context: int, reps: int, profile: bo
 
     attn_s = timed(attention, reps)
     res = {"batch": batch, "context": context, "step_ms": step_s * 1e3, "attn_ms": attn_s * 1e3}
+    res["steps_ms"] = {name: s * 1e3 for name, s in zip(layers, steps)}
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as prof
@@ -117,7 +149,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu-time", action="store_true", help="time in process CPU seconds")
+    ap.add_argument(
+        "--layers", choices=("engine", "torch", "c", "both"), default="engine",
+        help="decoder layers: the engine's choice, torch, C (forced on), or torch and C in turn",
+    )  # fmt: skip
+    ap.add_argument("--floor", action="store_true", help="the batch-1 weight-streaming bound")
     args = ap.parse_args()
+    layers = ["torch", "c"] if args.layers == "both" else [args.layers]
     global CPU_TIME
     CPU_TIME = args.cpu_time
     extra = {}
@@ -141,15 +179,30 @@ def main() -> None:
         f"packed {bool(engine.runner.packed)}, "
         f"{'process CPU' if args.cpu_time else 'wall'} time, best of {args.reps}"
     )
-    head = ("batch x context", "step ms", "attn ms", "attn share", "tok/s")
-    print(" ".join(f"{h:>{w}s}" for h, w in zip(head, (16, 9, 9, 11, 8))))
+    if args.floor:
+        from engine.bench.machine import ceilings
+
+        model = engine.model
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        for lin in (model.lm_qweight, model.lm_scales):  # int8: the LM head's GEMM reads these
+            nbytes += 0 if lin is None else lin.numel() * lin.element_size()
+        key = "float32" if engine.dtype == torch.float32 else "bfloat16"
+        gb_s = ceilings()[f"gemv_gb_s_torch.{key}"]
+        print(
+            f"batch-1 floor: {nbytes / 1e6:.0f} MB of weights per token at {gb_s:.1f} GB/s "
+            f"({key} GEMV now): {nbytes / gb_s / 1e6:.1f} ms, {gb_s * 1e9 / nbytes:.1f} tok/s"
+        )
+    head = ("batch x context", "layers", "step ms", "attn ms", "attn share", "tok/s", "ms/tok")
+    widths = (16, 7, 9, 9, 11, 8, 8)
+    print(" ".join(f"{h:>{w}s}" for h, w in zip(head, widths)))
     for case in args.cases:
         b, c = (int(x) for x in case.split("x"))
-        r = run_case(engine, b, c, args.reps, args.profile)
-        print(
-            f"{case:>16s} {r['step_ms']:9.1f} {r['attn_ms']:9.1f} "
-            f"{r['attn_ms'] / r['step_ms']:11.1%} {b / r['step_ms'] * 1e3:8.1f}"
-        )
+        r = run_case(engine, b, c, args.reps, args.profile, layers)
+        for name, ms in r["steps_ms"].items():
+            print(
+                f"{case:>16s} {name:>7s} {ms:9.1f} {r['attn_ms']:9.1f} "
+                f"{r['attn_ms'] / ms:11.1%} {b / ms * 1e3:8.1f} {ms / b:8.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ that one, and this one is skipped, saying so.
 
 PATHS is the one list of those tests: the kernels (C and Triton-interpreted against their torch
 references), the layers (bf16 and int8 against float32, the C decoder layers against the torch
-layers, the tiny models of each architecture against transformers) and the bf16 cluster. Not the
-SmolLM2 parity tests (float32 against transformers, ~45 s): the tiny models run the same layers.
+layers, float32 included: the default dtype there, whose decode steps the C layers serve with the
+AVX2 float32 row dots; the tiny models of each architecture against transformers) and the bf16
+cluster. Not the SmolLM2 parity tests (float32 against transformers, ~45 s): the tiny models
+run the same layers.
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ A batch-1 decode step of the default model is ~30 layers x two dozen small torch
 their per-call overhead cost more than reading the weights did. ``NativeDecoder`` describes each
 layer to the C code once (weight pointers, shapes, cache views) and then runs a decode-only step
 of up to ``MAX_ROWS`` sequences as one C call per layer. The torch layers stay the reference and
-serve everything else (prefill chunks, mixed steps, larger batches, float32, compiled layers,
-machines without a C compiler). The C structs' ctypes mirrors (Layer, Proj, Step) live in
-engine/kernels/native/structs.py, where the library's loader checks them against C.
+serve everything else (prefill chunks, mixed steps, larger batches, compiled layers, machines
+without a C compiler or without the row dots' vector paths for float weights). float32, bf16 and
+fp16 models are served as they are (weights, activations and KV cache in the model's dtype),
+int8 weights with activations in the 16-bit dtype. The C structs' ctypes mirrors (Layer, Proj,
+Step) live in engine/kernels/native/structs.py, where the library's loader checks them against C.
 """
 
 from __future__ import annotations

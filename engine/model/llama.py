@@ -116,17 +116,18 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def enable_native_decode(self) -> bool:
         """Run decode-only steps of up to NATIVE_DECODE_MAX_ROWS sequences through the C decoder
-        layers (layers/native_decode.py) where they apply and pay: a 16-bit model on the CPU
-        whose C kernels build here, with int8 weights (quantize_int8_ first) on any CPU, with
-        16-bit weights where the C row dots have their AVX-512 or AVX2 paths (cpu_isa: without
-        them the row dots are plain loops, and a bf16 decode step took 64 ms against the torch
-        layers' 24 ms). ENGINE_KERNELS=torch turns them off at any time.
+        layers (layers/native_decode.py) where they apply and pay: a model on the CPU whose C
+        kernels build here, with int8 weights (quantize_int8_ first) on any CPU, with float32,
+        bf16 or fp16 weights where the C row dots have their AVX-512 or AVX2 paths (cpu_isa:
+        without them the row dots are plain loops, and a bf16 decode step took 64 ms against the
+        torch layers' 24 ms; float32 at 1 x 512 under ENGINE_CPU_ISA=avx2 took 50 against 116 ms
+        with them, see docs/cpu.md). ENGINE_KERNELS=torch turns them off at any time.
         Returns whether they are on."""
         from engine import cpu_isa
 
         int8 = self.lm_qweight is not None
         self.native_decode = (
-            self.dtype in (torch.bfloat16, torch.float16)
+            self.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and self.embed_tokens.device.type == "cpu"
             and (int8 or cpu_isa.this_cpu().c_float_row_dots)
             and kernels.use_native(self.embed_tokens.device)

@@ -54,11 +54,15 @@ def make(dtype: str, **kw) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    llm = make("float32")
-    ids = llm.tokenizer.encode(TEXT)
+def float32_llm():
+    return make("float32")
+
+
+@pytest.fixture(scope="module")
+def reference(float32_llm):
+    ids = float32_llm.tokenizer.encode(TEXT)
     assert len(ids) >= 300
-    return ids, llm.engine.prompt_logits(ids).argmax(-1)
+    return ids, float32_llm.engine.prompt_logits(ids).argmax(-1)
 
 
 def agreement(llm: LLM, ids, ref_top1) -> float:
@@ -92,6 +96,21 @@ def test_top1_agreement_with_float32_and_chat_answers(reference, dtype, kw, min_
     agree = (decoded == ref_top1).float().mean().item()
     assert agree >= min_agreement, f"decode steps: top-1 agreement with float32 {agree:.3f}"
     for (_, want), got in zip(QUESTIONS, chat_answers(llm)):
+        assert want in got
+
+
+def test_float32_decode_steps_agree_with_its_prefill_and_chat_answers(reference, float32_llm):
+    # float32, the default dtype where the CPU lacks native bf16 (the avx2 pass of make test):
+    # its decode steps run through the C layers where the row dots have AVX-512 or AVX2 paths,
+    # and must give the reference's own top-1 (a single prefill through the torch layers).
+    ids, ref_top1 = reference
+    engine = float32_llm.engine
+    pays = cpu_isa.this_cpu().c_float_row_dots
+    assert engine.runner.native_decode == (native.compiler() is not None and pays)
+    decoded = engine.prompt_logits(ids, chunk_size=1).argmax(-1)
+    agree = (decoded == ref_top1).float().mean().item()
+    assert agree >= 0.995, f"decode steps: top-1 agreement with the float32 prefill {agree:.3f}"
+    for (_, want), got in zip(QUESTIONS, chat_answers(float32_llm)):
         assert want in got
 
 

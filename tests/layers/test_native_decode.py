@@ -12,6 +12,8 @@ from tiny_models import tiny_model
 
 from engine import cpu_isa
 from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.core.request import Request
+from engine.core.scheduler_output import ScheduledRequest
 from engine.kernels import native
 from engine.kvcache.paged_cache import PagedKVCache
 from engine.layers.attention_metadata import AttentionMetadata
@@ -200,9 +202,10 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(dtype, int8):
         ), b
 
 
-def test_the_hook_runs_after_each_layer_wrote_its_kv():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+def test_the_hook_runs_after_each_layer_wrote_its_kv(dtype):
     # The cluster streams layer i's KV from hook(i): it must be written by then.
-    model = random_model(torch.bfloat16)
+    model = random_model(dtype)
     seen = []
 
     def hook(i):
@@ -243,10 +246,11 @@ def test_bad_slots_positions_and_tables_raise_and_write_nothing():
 
 @pytest.mark.skipif(
     not cpu_isa.this_cpu().c_float_row_dots,
-    reason="the engine serves bf16 weights by the C layers only where their row dots have the "
+    reason="the engine serves float weights by the C layers only where their row dots have the "
     "AVX-512 or AVX2 paths (test_which_weights_take_them_on_this_cpu checks the rest)",
 )
-def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch, dtype):
     calls = []
     real_run = NativeDecoder.run
 
@@ -258,7 +262,7 @@ def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch):
     llm = LLM.from_config(
         EngineConfig(
             model=str(tiny_model("llama")),
-            dtype="bfloat16",
+            dtype=dtype,
             device="cpu",
             cache=CacheConfig(num_blocks=64, block_size=BLOCK),
         )
@@ -278,27 +282,96 @@ def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch):
     assert torch_out == native_out
 
 
-def test_not_for_float32_or_compiled_models():
-    def runner(dtype, **kw):
-        cfg = EngineConfig(model=str(tiny_model("llama")), dtype=dtype, device="cpu",
-                           cache=CacheConfig(num_blocks=16), **kw)  # fmt: skip
-        return LLM.from_config(cfg).engine.runner
-
-    assert not runner("float32").native_decode
-    compiled = runner("bfloat16", compile=True)  # compiles on first use: not run here
+def test_not_for_compiled_models():
+    cfg = EngineConfig(model=str(tiny_model("llama")), dtype="bfloat16", device="cpu",
+                       cache=CacheConfig(num_blocks=16), compile=True)  # fmt: skip
+    compiled = LLM.from_config(cfg).engine.runner  # compiles on first use: not run here
     assert compiled.compiled and not compiled.native_decode
 
 
 @pytest.mark.skipif(native.compiler() is None, reason="no C compiler: no C layers at all")
 def test_which_weights_take_them_on_this_cpu():
-    """int8 weights on every CPU; 16-bit weights only where the C row dots have their AVX-512 or
-    AVX2 paths (cpu_isa.CpuIsa.c_float_row_dots): below, those are plain loops, slower than the
-    torch layers (make test runs this again under ENGINE_CPU_ISA=avx2, where they are on)."""
+    """int8 weights on every CPU; float32, bf16 and fp16 weights only where the C row dots have
+    their AVX-512 or AVX2 paths (cpu_isa.CpuIsa.c_float_row_dots): below, those are plain loops,
+    slower than the torch layers (make test runs this again under ENGINE_CPU_ISA=avx2, where
+    they are on, float32 being the default dtype there)."""
 
-    def runner(**kw):
-        cfg = EngineConfig(model=str(tiny_model("llama")), dtype="bfloat16", device="cpu",
+    def runner(dtype="bfloat16", **kw):
+        cfg = EngineConfig(model=str(tiny_model("llama")), dtype=dtype, device="cpu",
                            cache=CacheConfig(num_blocks=16), **kw)  # fmt: skip
         return LLM.from_config(cfg).engine.runner
 
     assert runner(quantization="int8").native_decode
-    assert runner().native_decode == cpu_isa.this_cpu().c_float_row_dots
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert runner(dtype).native_decode == cpu_isa.this_cpu().c_float_row_dots, dtype
+
+
+@pytest.fixture(scope="module")
+def float32_llm():
+    llm = LLM.from_config(
+        EngineConfig(
+            model=str(tiny_model("llama")),
+            dtype="float32",
+            device="cpu",
+            cache=CacheConfig(num_blocks=64, block_size=BLOCK),
+        )
+    )
+    llm.engine.model.native_decode = True  # the C layers whatever this CPU's row dots
+    return llm
+
+
+def test_float32_prefill_then_decode_steps_match_the_torch_layers(float32_llm, monkeypatch):
+    # Logits of a prompt: one prefill (the torch layers) against a prefill of its first 9 tokens
+    # and then decode steps of one token each through the C layers, every step reading the KV
+    # the C layers wrote in the steps before: float32 throughout, so equal to float32 noise.
+    engine = float32_llm.engine
+    ids = float32_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    assert len(ids) > 30
+    want = engine.prompt_logits(ids)
+    calls = []
+    real_run = NativeDecoder.run
+
+    def counting_run(self, hidden, *a):
+        calls.append(hidden.shape[0])
+        return real_run(self, hidden, *a)
+
+    monkeypatch.setattr(NativeDecoder, "run", counting_run)
+    req = Request("prefill-then-decode", ids, SamplingParams(), None)
+    got = []
+    try:
+        with torch.inference_mode():
+            for n in [9] + [1] * (len(ids) - 9):
+                assert engine.kv.allocate(req, n)
+                inputs = engine.runner.prepare([ScheduledRequest(req, n)], engine.kv.block_tables)
+                got.append(engine.runner.execute(inputs, all_logits=True))
+                req.num_computed_tokens += n
+    finally:
+        engine.kv.free(req)
+    assert calls == [1] * (len(ids) - 9)  # every decode step in C, the prefill not
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_float32_generation_matches_the_torch_layers_alone_and_in_a_batch(float32_llm):
+    # Greedy generation: the C layers (decode steps of 1 to 4 sequences) against the torch
+    # layers, and each prompt alone against the batch, token for token, logprobs to float32
+    # noise (the C layers give a sequence the same bits alone and in a batch, see above, but the
+    # batched prefill and LM-head GEMMs need not).
+    model = float32_llm.engine.model
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    prompts = ["Once upon a time", "The capital of France is", "1, 2, 3, 4,", "Hello"]
+
+    def generate(native_on, which):
+        model.native_decode = native_on
+        try:
+            outs = float32_llm.generate([prompts[i] for i in which], params)
+        finally:
+            model.native_decode = True
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
+
+    c_batch = generate(True, range(4))
+    torch_batch = generate(False, range(4))
+    alone = [generate(True, [i])[0] for i in range(4)]
+    for other in (torch_batch, alone):
+        for (c_ids, c_lp), (ids, lp) in zip(c_batch, other):
+            assert c_ids == ids
+            assert math.isclose(c_lp, lp, rel_tol=1e-4, abs_tol=1e-4)
