@@ -210,6 +210,8 @@ class CpuIsa:
             paths.append("C row dots (AVX2)")
         if self.avx512f:
             paths.append("C attention (AVX-512)")
+        elif self.c_float_row_dots:
+            paths.append("C attention (AVX2)")
         return paths
 
     def describe(self) -> str:

@@ -111,7 +111,8 @@ def test_features_of_each_class():
     assert "fp16" in arm.slow_dtype_note("float16")
     # the C row dots' vector paths (gemv.h): AVX-512, or AVX2 with FMA and F16C
     assert avx2.c_float_row_dots and sky.c_float_row_dots and zen4.c_float_row_dots
-    assert "C row dots (AVX2)" in avx2.fast_paths() and "C row dots (AVX2)" not in sky.fast_paths()
+    for path in ("C row dots (AVX2)", "C attention (AVX2)"):
+        assert path in avx2.fast_paths() and path not in sky.fast_paths()
     model, flags = parse_cpuinfo(CPUINFO["epyc-avx2"])
     assert not from_flags(flags - {"fma"}, model, "x86_64").c_float_row_dots
     assert not arm.c_float_row_dots
@@ -148,7 +149,8 @@ def test_the_cap_lowers_and_never_raises():
     zen4 = isa("zen4-bf16", "avx2")
     assert zen4.level == "avx2" and zen4.hardware_level == "avx512bf16"
     assert not (zen4.avx512f or zen4.avx512_bf16 or zen4.native_bf16)
-    assert not zen4.onednn_packs("bfloat16") and zen4.fast_paths() == ["C row dots (AVX2)"]
+    assert not zen4.onednn_packs("bfloat16")
+    assert zen4.fast_paths() == ["C row dots (AVX2)", "C attention (AVX2)"]
     assert zen4.march_flags() == ("-march=x86-64-v3",)
     assert zen4.torch_environment() == {
         "ATEN_CPU_CAPABILITY": "avx2",

@@ -71,6 +71,34 @@ def test_a_sequence_gets_the_same_bits_in_any_batch_and_thread_count():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_vector_path_is_batch_invariant_and_matches_the_reference(dtype, head_dim):
+    # head_dim 64 and 128 take the vector paths (AVX-512, or AVX2 under make test's second pass),
+    # 80 the loops; lengths not a multiple of the 8 or 16 keys scored at a time, and past a chunk.
+    lens = [9, 700, 3, 260, 1, 513]
+    q, k_cache, v_cache, bt, lens_t = make_batch(lens, 8, 2, head_dim, 16, dtype, seed=head_dim)
+    together = decode_attention_native(q, k_cache, v_cache, bt, lens_t, head_dim**-0.5)
+    ref = decode_attention_ref(q, k_cache, v_cache, bt, lens_t, head_dim**-0.5)
+    torch.testing.assert_close(together, ref, **TOL[dtype])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for b in range(len(lens)):
+                alone = decode_attention_native(
+                    q[b : b + 1],
+                    k_cache,
+                    v_cache,
+                    bt[b : b + 1],
+                    lens_t[b : b + 1],
+                    head_dim**-0.5,
+                )
+                assert torch.equal(alone[0], together[b]), (n, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_empty_sequence_gets_zeros_and_empty_batch_is_fine():
     q, k_cache, v_cache, bt, lens = make_batch([5, 1], 4, 2, 16, 4, torch.float32)
     lens[1] = 0
@@ -182,6 +210,24 @@ def test_row_dots_have_the_vector_paths_of_this_cpu_under_its_cap():
     assert got == expected_row_dot_paths(isa), (isa.level, got)
     if isa.level == "avx2":
         assert got == {"int8": "avx2", "bf16": "avx2", "float": "avx2"}
+
+
+def expected_attention_path(isa: cpu_isa.CpuIsa) -> str:
+    """The path decode_attention.c must compile in for ``isa`` (its guards): AVX-512 where the cap
+    allows it, AVX2 with FMA and F16C below, else loops."""
+    if isa.avx512f:
+        return "avx512"
+    return "avx2" if isa.avx2 and isa.fma and isa.f16c else "c"
+
+
+@pytest.mark.skipif(not cpu_isa.this_cpu().x86, reason="the vector attention paths are x86-64's")
+def test_attention_has_the_vector_path_of_this_cpu_under_its_cap():
+    # Under make test's second pass (ENGINE_CPU_ISA=avx2) the decode attention must take its AVX2
+    # path, not the plain loops.
+    isa = cpu_isa.this_cpu()
+    assert native.attention_path() == expected_attention_path(isa), isa.level
+    if isa.level == "avx2":
+        assert native.attention_path() == "avx2"
 
 
 def test_build_is_cached_and_a_failed_build_falls_back(monkeypatch, tmp_path, caplog):

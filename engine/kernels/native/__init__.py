@@ -180,6 +180,8 @@ def _load() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.engine_gemv_paths.argtypes = []
     lib.engine_gemv_paths.restype = ctypes.c_char_p
+    lib.engine_decode_attention_path.argtypes = []
+    lib.engine_decode_attention_path.restype = ctypes.c_char_p
     problems = structs.check(lib)
     if problems:
         raise NativeUnavailable(
@@ -222,6 +224,16 @@ def row_dot_paths() -> dict[str, str]:
     if lib is None:
         raise NativeUnavailable(str(_state["error"]))
     return dict(p.split(":", 1) for p in lib.engine_gemv_paths().decode().split())
+
+
+def attention_path() -> str:
+    """The vector path the loaded decode attention kernel (decode_attention.c) was compiled with:
+    "avx512", "avx2" (AVX2, FMA, F16C) or "c" (plain loops). NativeUnavailable where the kernels
+    cannot be built."""
+    lib = library()
+    if lib is None:
+        raise NativeUnavailable(str(_state["error"]))
+    return lib.engine_decode_attention_path().decode()
 
 
 def library_for(**tensors: torch.Tensor) -> ctypes.CDLL:

@@ -12,13 +12,18 @@
    chunk, KV head). A sequence's chunks are merged by log-sum-exp in a fixed order. A sequence's result
    therefore depends only on its own length, never on the batch it runs in or the thread count.
 
+   Vector paths (engine_decode_attention_path says which was compiled in): AVX-512, and AVX2 with
+   FMA and F16C (x86-64-v3: 8 keys' dots at a time, bf16 widened by a shift, fp16 by F16C), each
+   for head_dim 64 and 128; plain loops otherwise and on other CPUs. The paths sum in different
+   orders, so their bits differ from each other (not within one build).
+
    Numerics: scores, softmax and the weighted sum in float32 (exp by a degree-6 polynomial,
    relative error ~2e-7); the output rounded to the cache's dtype (bfloat16 round-to-nearest-even,
    as torch does). */
 
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -30,8 +35,22 @@
 #define MAX_HEADS 256
 #define MAX_DIM 256
 
+#if defined(__AVX512F__)
+#define ATTN_PATH "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ATTN_AVX2 1
+#define ATTN_PATH "avx2"
+#else
+#define ATTN_PATH "c"
+#endif
+
+/* The vector path compiled in here: "avx512", "avx2" (AVX2 with FMA and F16C) or "c" (plain
+   loops). */
+const char *engine_decode_attention_path(void) { return ATTN_PATH; }
+
 /* a . b over n floats. gcc reduces an `omp simd` sum lane by lane through memory, which made
-   the per-token dots the kernel's bottleneck; with AVX-512 the lanes are summed as a tree. */
+   the per-token dots the kernel's bottleneck; with AVX-512 (or AVX2) the lanes are summed as a
+   tree. */
 static inline float dot(const float *a, const float *b, int n) {
     int i = 0;
     float s = 0.f;
@@ -40,6 +59,13 @@ static inline float dot(const float *a, const float *b, int n) {
     for (; i + 16 <= n; i += 16)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     s = _mm512_reduce_add_ps(acc);
+#elif defined(ATTN_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #endif
     for (; i < n; i++) s += a[i] * b[i];
     return s;
@@ -222,6 +248,116 @@ SPECIALISE(4)  /* head_dim 64 */
 SPECIALISE(8)  /* head_dim 128 */
 #endif
 
+#if defined(ATTN_AVX2)
+/* The same loops in 8-lane registers (AVX2 with FMA; bf16 widened by a 16-bit shift, fp16 by
+   F16C). 8 elements of dtype dt at element offset i of p, as float32. */
+static inline __m256 load8(int dt, const void *p, int64_t i) {
+    if (dt == DT_BF16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (dt == DT_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* The 8 horizontal sums of v[0..7] as one vector (r[j] = sum of v[j]'s lanes). */
+static inline __m256 sum8(const __m256 *v) {
+    __m256 u[4], x[2];
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: [a02, b02, a13, b13] */
+        u[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* per 128-bit lane: the lane sums of 4 consecutive inputs */
+        x[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20),
+                         _mm256_permute2f128_ps(x[0], x[1], 0x31));
+}
+
+/* The element offsets of tokens [t0, t1) of KV head kh (strides s_b, s_s, s_h), counted along
+   the block table without a division per token, padded to a multiple of 8 with the last. */
+static inline int chunk_offsets(const int32_t *table, int bs, int64_t s_b, int64_t s_s,
+                                int64_t s_h, int kh, int t0, int t1, int64_t *offs) {
+    int blk = t0 / bs, r = t0 % bs, n = t1 - t0;
+    for (int i = 0; i < n; i++) {
+        offs[i] = (int64_t)table[blk] * s_b + (int64_t)r * s_s + (int64_t)kh * s_h;
+        if (++r == bs) r = 0, blk++;
+    }
+    for (int i = n; i % 8; i++) offs[i] = offs[n - 1];
+    return n;
+}
+
+/* head_dim = 8 * nv. Scores: 8 keys at a time, their 8 dots in registers, the query's 8-column
+   pieces loaded once for the 8 keys (a padded group repeats the last key; its scores land past
+   the chunk's length, where nothing reads them). Values: up to 64 columns of a head's
+   accumulator in registers per pass over the chunk's rows. The offsets of a chunk's rows are
+   counted once per KV head. */
+static inline __attribute__((always_inline)) void scores_avx2(
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *q, float *scores,
+    const int nv) {
+    const int D = a->dim, G = a->heads / a->kv_heads;
+    int64_t offs[CHUNK];
+    const int n = chunk_offsets(table, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh, t0, t1,
+                                offs);
+    for (int h = kh * G; h < (kh + 1) * G; h++) {
+        const float *qh = q + (size_t)h * D;
+        for (int i = 0; i < n; i += 8) {
+            __m256 dots[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) dots[j] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+            for (int c = 0; c < nv; c++) {
+                const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++)
+                    dots[j] = _mm256_fmadd_ps(qc, load8(a->dt, a->k, offs[i + j] + 8 * c),
+                                              dots[j]);
+            }
+            _mm256_storeu_ps(scores + (size_t)h * CHUNK + i, sum8(dots));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void values_avx2(
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *probs, float *acc,
+    const int nv) {
+    const int D = a->dim, G = a->heads / a->kv_heads;
+    int64_t offs[CHUNK];
+    const int n = chunk_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, t1,
+                                offs);
+    for (int h = kh * G; h < (kh + 1) * G; h++) {
+        const float *ph = probs + (size_t)h * CHUNK;
+        for (int c0 = 0; c0 < nv; c0 += 8) {
+            const int m = nv - c0 < 8 ? nv - c0 : 8;
+            __m256 o[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < m; c++) o[c] = _mm256_setzero_ps();
+            for (int i = 0; i < n; i++) {
+                const __m256 p = _mm256_set1_ps(ph[i]);
+#pragma GCC unroll 8
+                for (int c = 0; c < m; c++)
+                    o[c] = _mm256_fmadd_ps(p, load8(a->dt, a->v, offs[i] + 8 * (c0 + c)), o[c]);
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < m; c++)
+                _mm256_storeu_ps(acc + (size_t)h * D + 8 * (c0 + c), o[c]);
+        }
+    }
+}
+
+#define SPECIALISE(NV)                                                                           \
+    static void scores_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
+                              const float *q, float *scores) {                                  \
+        scores_avx2(a, table, kh, t0, t1, q, scores, NV);                                       \
+    }                                                                                            \
+    static void values_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
+                              const float *probs, float *acc) {                                 \
+        values_avx2(a, table, kh, t0, t1, probs, acc, NV);                                      \
+    }
+SPECIALISE(8)  /* head_dim 64 */
+SPECIALISE(16) /* head_dim 128 */
+#endif
+
 /* Attention of sequence b's query heads that share KV heads [kh0, kh1) over tokens [t0, t1):
    their rows of the unnormalised output acc [heads, dim], the max m [heads] and the sum of
    exponentials l [heads]. scores: heads * (CHUNK + dim) floats of scratch (the scores, then the
@@ -243,6 +379,9 @@ static void attend_chunk(const Args *a, int b, int kh0, int kh1, int t0, int t1,
 #if defined(__AVX512F__)
     if (D == 64) scores_fn = scores_nv4, values_fn = values_nv4;
     if (D == 128) scores_fn = scores_nv8, values_fn = values_nv8;
+#elif defined(ATTN_AVX2)
+    if (D == 64) scores_fn = scores_nv8, values_fn = values_nv8;
+    if (D == 128) scores_fn = scores_nv16, values_fn = values_nv16;
 #endif
     for (int kh = kh0; kh < kh1; kh++) scores_fn(a, table, kh, t0, t1, q, scores);
     for (int h = kh0 * G; h < kh1 * G; h++) {
