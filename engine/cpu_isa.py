@@ -155,6 +155,22 @@ class CpuIsa:
         holds (int8 weights everywhere)."""
         return (self.avx512f and self.avx512bw) or (self.avx2 and self.fma and self.f16c)
 
+    def auto_dtype(self, quantization: str | None = None) -> tuple[str, str]:
+        """(dtype name, why) that ``dtype=auto`` picks on this CPU, a fixed table (never a
+        measurement: two workers of a cluster must agree): bfloat16 where the CPU multiplies it
+        in hardware (AVX512-BF16 or AMX), float32 elsewhere, with or without int8 weights. int8
+        weights take either activation dtype (the C row dots prepare theirs from float32 anyway,
+        the many-row GEMM multiplies in float32 without 16-bit products); under
+        ENGINE_CPU_ISA=avx2 bf16 activations, converted for every product, made a 1 x 512 int8
+        decode step and a 1024-token int8 prefill slower than float32 ones (docs/cpu.md)."""
+        weights = f" with {quantization} weights" if quantization else ""
+        if self.native_bf16:
+            return "bfloat16", f"auto{weights}: bfloat16, this CPU multiplies bf16 in hardware"
+        return "float32", (
+            f"auto{weights}: float32, this CPU (level {self.level}) has no native bf16 "
+            "(AVX512-BF16 or AMX), where bf16 would be converted for every product"
+        )
+
     def onednn_packs(self, dtype_name: str) -> bool:
         """Whether oneDNN can hold weights of ``dtype_name`` ("bfloat16", "float16") in its
         blocked layout (``torch.ops.mkldnn._reorder_linear_weight``). torch refuses elsewhere:
