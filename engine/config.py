@@ -188,13 +188,14 @@ class EngineConfig:
     """Everything one engine instance needs. ``model``: "default" or a GGUF file or HF dir."""
 
     model: str = "default"
-    # auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX (engine/cpu_isa.py, under its
-    # ENGINE_CPU_ISA cap), float32 on other CPUs. Norm
+    # auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX (engine/cpu_isa.py auto_dtype,
+    # under its ENGINE_CPU_ISA cap), float32 on other CPUs (bf16 there too with int8 weights:
+    # measured faster for int8 decode). Norm
     # statistics, rotary, softmax, logits and sampling stay in float32 whatever the dtype.
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     # "int8": weight-only int8 (per-output-channel scales) for the linear layers and the
-    # embedding / LM head; activations stay in ``dtype`` (which must then be 16-bit).
+    # embedding / LM head; activations, norms, KV cache and the scales stay in ``dtype`` (any).
     quantization: str | None = None
     # torch.compile the decoder layers' dense parts (dynamic shapes: a new batch size does not
     # recompile). Off by default: measured on the 2-core AVX512-BF16 machine it does not pay
@@ -237,11 +238,6 @@ class EngineConfig:
                 f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, "
                 f"got {self.quantization!r}"
             )
-        if self.quantization == "int8" and self.dtype == "float32":
-            raise ValueError(
-                "quantization int8 needs a 16-bit dtype (bfloat16 or float16; auto picks one "
-                "where the CPU has bf16), got dtype float32"
-            )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -250,11 +246,18 @@ class EngineConfig:
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            if self.resolved_device().type == "cuda" or cpu_isa.this_cpu().native_bf16:
+            if self.resolved_device().type == "cuda":
                 return torch.bfloat16
-            # int8 weights need 16-bit activations (bf16 keeps float32's range).
-            return torch.bfloat16 if self.quantization else torch.float32
+            return getattr(torch, cpu_isa.this_cpu().auto_dtype(self.quantization)[0])
         return getattr(torch, self.dtype)
+
+    def dtype_reason(self) -> str:
+        """Why resolved_dtype is what it is, for the start-up log."""
+        if self.dtype != "auto":
+            return f"dtype {self.dtype} as asked"
+        if self.resolved_device().type == "cuda":
+            return "auto: bfloat16 on CUDA"
+        return cpu_isa.this_cpu().auto_dtype(self.quantization)[1]
 
     def resolved_compile(self) -> bool:
         return self.compile

@@ -4,6 +4,7 @@ sizes, and a whole prefill, against dequantize + 16-bit GEMM (the path before in
     .venv/bin/python profiling/bench_int8.py [--rows 1 2 4 8] [--reps 10]
     .venv/bin/python profiling/bench_int8.py --prefill-rows 64 512 2048 [--reps 5]
     .venv/bin/python profiling/bench_int8.py --prompts 1024 2048 [--reps 3]
+    .venv/bin/python profiling/bench_int8.py --prompts 1024 --int8-dtypes bfloat16 float32
 
 Decode sizes: runs every projection of the default model's 30 layers in turn (qkv 576->1728, o
 576->576, gate_up 576->3072, down 1536->576: 120 int8 weights, 119 MB, more than the caches hold),
@@ -13,7 +14,9 @@ shape of the default model (qkv 576->960, o 576->576, 576->1536, gate_up 576->30
 1536->576) at each row count, best of --reps, before and after alternating. ``--prompts``: the
 prefill of a prompt of each length (one token generated, prefix caching off) by the default model
 with the default dtype, with int8 weights before, and with int8 weights as the engine runs them
-now, alternating; best of --reps. Set ENGINE_CPU_ISA in the environment to cap the CPU class.
+now, alternating; best of --reps. ``--int8-dtypes auto bfloat16 float32``: with int8 weights and
+each of these activation dtypes instead of before and now. Set ENGINE_CPU_ISA in the environment
+to cap the CPU class.
 """
 
 from __future__ import annotations
@@ -64,23 +67,27 @@ def bench_prefill_rows(rows_list: list[int], reps: int) -> None:
                   f"{before / after:>8.2f}x", flush=True)  # fmt: skip
 
 
-def bench_prompts(lengths: list[int], reps: int) -> None:
+def bench_prompts(lengths: list[int], reps: int, int8_dtypes: list[str] | None) -> None:
     from engine import LLM, SamplingParams
     from engine.config import EngineConfig
 
     default = LLM(enable_prefix_caching=False, max_num_batched_tokens=max(lengths))
-    int8 = LLM(quantization="int8", enable_prefix_caching=False,
-               max_num_batched_tokens=max(lengths))  # fmt: skip
     dtype = EngineConfig().resolved_dtype()
     print(f"torch threads {torch.get_num_threads()}, torch {torch_isa()}, default dtype {dtype}")
     blocked = int8_module.int8_matmul_blocked
     params = SamplingParams(max_tokens=1, temperature=0.0)
     g = torch.Generator().manual_seed(0)
-    runs = {
-        "default": (default, blocked),
-        "int8 before": (int8, dequantize_gemm),
-        "int8 now": (int8, blocked),
-    }
+    runs = {"default": (default, blocked)}
+    if int8_dtypes:  # int8 weights with each activation dtype, as the engine runs them now
+        for dt in int8_dtypes:
+            llm = LLM(dtype=dt, quantization="int8", enable_prefix_caching=False,
+                      max_num_batched_tokens=max(lengths))  # fmt: skip
+            runs[f"int8 {dt}"] = (llm, blocked)
+    else:
+        int8 = LLM(quantization="int8", enable_prefix_caching=False,
+                   max_num_batched_tokens=max(lengths))  # fmt: skip
+        runs["int8 before"] = (int8, dequantize_gemm)
+        runs["int8 now"] = (int8, blocked)
     print(f"{'prompt':>7} " + " ".join(f"{name + ' ms':>14}" for name in runs))
     for length in lengths:
         best = dict.fromkeys(runs, float("inf"))
@@ -101,12 +108,14 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--prefill-rows", type=int, nargs="+", help="prefill-sized matmuls instead")
     ap.add_argument("--prompts", type=int, nargs="+", help="prefills of these lengths instead")
+    ap.add_argument("--int8-dtypes", nargs="+", help="--prompts: int8 with these dtypes (auto, "
+                    "bfloat16, float32) instead of the many-row path before and now")  # fmt: skip
     args = ap.parse_args()
     if args.prefill_rows:
         bench_prefill_rows(args.prefill_rows, args.reps)
         return 0
     if args.prompts:
-        bench_prompts(args.prompts, args.reps)
+        bench_prompts(args.prompts, args.reps, args.int8_dtypes)
         return 0
     torch.manual_seed(0)
     weights = [quantize_int8(torch.randn(n, k) * 0.05, torch.bfloat16) for n, k in SHAPES]

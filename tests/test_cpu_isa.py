@@ -218,6 +218,25 @@ def test_auto_dtype_and_packing_follow_the_capped_cpu(monkeypatch):
     assert pack_bf16(w) is None
 
 
+@pytest.mark.parametrize("kind", sorted(CPUINFO))
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_auto_dtype_is_a_fixed_table_by_class(monkeypatch, kind, quantization):
+    # bf16 where the CPU multiplies it (AVX512-BF16, AMX), float32 elsewhere (AVX2, AVX-512
+    # without BF16, not x86) but for int8 weights, whose decode steps ran faster with bf16
+    # activations under avx2 too: a fixed table, never measured at start-up
+    monkeypatch.setattr(cpu_isa, "this_cpu", lambda: isa(kind))
+    want = "bfloat16" if EXPECTED[kind][2] or quantization == "int8" else "float32"
+    name, why = isa(kind).auto_dtype(quantization)
+    assert name == want and why.startswith("auto") and want in why
+    assert ("int8 weights" in why) == (quantization == "int8")
+    config = EngineConfig(device="cpu", quantization=quantization)
+    assert config.resolved_dtype() == getattr(torch, want)
+    assert config.dtype_reason() == why
+    assert EngineConfig(
+        device="cpu", dtype="float32", quantization=quantization
+    ).dtype_reason() == ("dtype float32 as asked")
+
+
 def test_metrics_show_the_cpu_as_an_info_gauge():
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -273,7 +292,8 @@ if path is not None and shutil.which("objdump"):
 answers = {}
 params = SamplingParams(temperature=0.0, max_tokens=12)
 question = [[{"role": "user", "content": "What is the capital of France?"}]]
-for dtype, quant in (("bfloat16", None), ("float16", None), ("bfloat16", "int8")):
+for dtype, quant in (("bfloat16", None), ("float16", None), ("bfloat16", "int8"),
+                     ("auto", "int8")):
     llm = LLM.from_config(EngineConfig(model="default", dtype=dtype, quantization=quant,
                                        device="cpu", cache=CacheConfig(num_blocks=32)))
     runner = llm.engine.runner
@@ -281,6 +301,7 @@ for dtype, quant in (("bfloat16", None), ("float16", None), ("bfloat16", "int8")
                                    bool(runner.packed), bool(runner.native_decode)]
 out["answers"] = answers
 out["auto"] = str(EngineConfig(device="cpu").resolved_dtype())
+out["auto_int8"] = str(EngineConfig(device="cpu", quantization="int8").resolved_dtype())
 out["log"] = records
 print("RESULT " + json.dumps(out))
 """
@@ -317,9 +338,11 @@ def test_under_avx2_torch_the_c_kernels_and_the_16_bit_engines_run_as_on_an_avx2
         assert not packed, name  # oneDNN cannot pack bf16 on AVX2: the plain weights serve
         # C decoder layers for int8 and 16-bit weights alike: their row dots have AVX2 paths
         assert native_decode == out["built"], name
-    assert out["auto"] == "torch.float32"
+    assert out["auto"] == "torch.float32" and out["auto_int8"] == "torch.bfloat16"
     info = [m for lvl, m in out["log"] if lvl == "INFO" and "ISA level" in m]
     assert info and "ISA level avx2" in info[0] and "packed bf16 weights off" in info[0]
+    # the start-up line says what auto chose for int8 and why
+    assert any("bfloat16 with int8 weights (auto with int8 weights: bfloat16" in m for m in info)
     warnings = [m for lvl, m in out["log"] if lvl == "WARNING"]
     assert any("dtype bfloat16" in m and "slower" in m for m in warnings), warnings
     assert any("dtype float16" in m and "slower" in m for m in warnings), warnings

@@ -154,10 +154,11 @@ class LLMEngine:
         dtype = str(self.dtype).removeprefix("torch.")
         on = {True: "on", False: "off"}
         logger.info(
-            "%s; this engine: %s%s, packed bf16 weights %s, C decoder layers %s",
+            "%s; this engine: %s%s (%s), packed bf16 weights %s, C decoder layers %s",
             isa.describe(),
             dtype,
             f" with {self.config.quantization} weights" if self.config.quantization else "",
+            self.config.dtype_reason(),
             on[bool(self.runner.packed)],
             on[bool(self.runner.native_decode)],
         )

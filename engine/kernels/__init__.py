@@ -72,7 +72,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
 
 
 def int8_matmul(x, qweight, scales):
-    """x [rows, in] 16-bit @ (qweight [out, in] int8 * scales [out])^T -> [rows, out]."""
+    """x [rows, in] (bf16, fp16, float32) @ (qweight [out, in] int8 * scales [out])^T."""
     if use_native(x.device):
         return int8_matmul_native(x, qweight, scales)
     if x.device.type == "cpu" and x.shape[0] > INT8_GEMV_MAX_ROWS:

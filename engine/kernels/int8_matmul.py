@@ -1,4 +1,5 @@
-"""Weight-only int8 matmul: y = x (qweight * scales[:, None])^T, x [rows, in] in 16 bits.
+"""Weight-only int8 matmul: y = x (qweight * scales[:, None])^T, x [rows, in] in bf16, fp16 or
+float32 (scales in x's dtype).
 
 Decode at small batch streams every weight once per step, so its speed is bytes of weights per
 step: int8 halves bf16's. The reference reads the int8 weight directly through
@@ -37,7 +38,7 @@ def gemm_dtype(x: torch.Tensor) -> torch.dtype:
     multiplies it in hardware (``CpuIsa.multiplies``: bf16 with AVX512-BF16 or AMX), float32 on
     other CPUs, where a 16-bit GEMM converts every product and runs several times slower than
     float32 (docs/cpu.md). The float32 weights are exact there: int8 times a 16-bit scale fits
-    float32's 24-bit mantissa."""
+    float32's 24-bit mantissa (times a float32 scale, one rounding of 2^-24 relative)."""
     if x.device.type != "cpu" or x.dtype == torch.float32:
         return x.dtype
     from engine.cpu_isa import this_cpu

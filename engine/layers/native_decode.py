@@ -7,8 +7,9 @@ of up to ``MAX_ROWS`` sequences as one C call per layer. The torch layers stay t
 serve everything else (prefill chunks, mixed steps, larger batches, compiled layers, machines
 without a C compiler or without the row dots' vector paths for float weights). float32, bf16 and
 fp16 models are served as they are (weights, activations and KV cache in the model's dtype),
-int8 weights with activations in the 16-bit dtype. The C structs' ctypes mirrors (Layer, Proj,
-Step) live in engine/kernels/native/structs.py, where the library's loader checks them against C.
+int8 weights with activations and scales in the model's dtype, float32 included. The C structs'
+ctypes mirrors (Layer, Proj, Step) live in engine/kernels/native/structs.py, where the library's
+loader checks them against C.
 """
 
 from __future__ import annotations

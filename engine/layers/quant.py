@@ -2,7 +2,8 @@
 
 Decode at small batch streams every weight once per step, so its speed is bytes of weights per
 step: int8 halves bf16's. The matmul is the kernels' ``int8_matmul`` (a weight-streaming kernel for
-a few rows, dequantize + 16-bit GEMM for more; see engine/kernels/int8_matmul.py).
+a few rows, a tiled GEMM in x's dtype or float32 for more; see engine/kernels/int8_matmul.py).
+Activations and scales are in the model's dtype: bf16, fp16 or float32.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def dequantize_int8(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
 def int8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """y = x (qweight * scales)^T + bias, x [..., in] in 16-bit."""
+    """y = x (qweight * scales)^T + bias, x [..., in] in scales' dtype (16-bit or float32)."""
     shape = x.shape
     y = kernels.int8_matmul(x.reshape(-1, shape[-1]), qweight, scales)
     if bias is not None:

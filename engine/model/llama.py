@@ -169,9 +169,8 @@ class LlamaForCausalLM(torch.nn.Module):
         """Weight-only int8 for every projection and the LM head's GEMM. The 16-bit LM head stays
         in memory (it is the embedding table when tied): each step gathers from it only the rows
         of the top candidates, recomputed in float32 (see compute_logits), which recovers most of
-        what int8 costs in top-1 agreement for a few KB read per token."""
-        if self.dtype == torch.float32:
-            raise ValueError("quantization int8 needs a 16-bit model dtype, got float32")
+        what int8 costs in top-1 agreement for a few KB read per token. Any model dtype: the
+        activations stay in it, and so do the scales (float32 ones for a float32 model)."""
         for layer in self.layers:
             for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 lin.quantize_int8_()
@@ -204,15 +203,16 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [S, V]. For 16-bit models the GEMM runs in 16 bits and the top
-        LOGIT_REFINE_TOPK logits of each row are recomputed in float32."""
+        """float32 logits [S, V]. For 16-bit models and int8 LM heads (float32 models too) the
+        GEMM runs at lower precision and the top LOGIT_REFINE_TOPK logits of each row are
+        recomputed in float32 from the kept float LM head."""
         if self.lm_qweight is not None:
             logits = int8_linear(hidden, self.lm_qweight, self.lm_scales, None).float()
         elif self.lm_packed is not None and hidden.dtype == torch.bfloat16:
             logits = packed_linear(hidden, self.lm_packed, None).float()
         else:
             logits = torch.nn.functional.linear(hidden, self.lm_head).float()
-        if self.dtype == torch.float32 or hidden.shape[0] == 0:
+        if (self.dtype == torch.float32 and self.lm_qweight is None) or hidden.shape[0] == 0:
             return logits
         k = min(LOGIT_REFINE_TOPK, logits.shape[-1])
         idx = logits.topk(k, dim=-1).indices  # [S, k]

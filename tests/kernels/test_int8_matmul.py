@@ -34,6 +34,12 @@ TORCH_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTI
 needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
 
+# The activation dtypes int8 weights take (float32: --dtype float32 --quantization int8, what
+# dtype=auto picks for int8 on CPUs without native bf16), and the bits each keeps of a result.
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+MANTISSA = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+
+
 def weights(out_features, in_features, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     qw = quantize_int8(torch.randn(out_features, in_features, generator=g) * 0.05, dtype)
@@ -42,7 +48,7 @@ def weights(out_features, in_features, dtype, seed=0):
 
 
 @needs_cc
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_features", [576, 100, 1536])  # 100: tails after 64 and 16 columns
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, NATIVE_INT8_MAX_ROWS])  # groups of 8
 def test_matches_float_math(rows, in_features, dtype):
@@ -51,7 +57,7 @@ def test_matches_float_math(rows, in_features, dtype):
     exact = x.double() @ dequantize_int8(qw, torch.float64).T
     got = int8_matmul_native(x, qw.qweight, qw.scales)
     assert got.dtype == dtype and got.shape == (rows, 77)
-    # float32 sums, then one rounding to the 16-bit dtype.
+    # float32 sums, then one rounding to x's dtype.
     torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=1e-2, atol=2e-3)
     if rows <= INT8_GEMV_MAX_ROWS:  # beyond, the reference rounds the weights to 16 bits first
         ref = int8_matmul_ref(x, qw.qweight, qw.scales)
@@ -59,11 +65,12 @@ def test_matches_float_math(rows, in_features, dtype):
 
 
 @needs_cc
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_activation_blocks_keep_the_documented_precision(dtype):
     # The kernel takes activations as int16 in blocks of 256 with a power-of-two scale: each
     # value is exact or off by at most 2^-16 of its block's largest magnitude (an outlier costs
-    # its neighbours bits, a block of tiny values keeps them all). Then one rounding to 16 bits.
+    # its neighbours bits, a block of tiny values keeps them all). Then one rounding to x's
+    # dtype (float32 x is prepared the same way: the int16 blocks come from float32 anyway).
     qw, x = weights(64, 1536 + 40, dtype, seed=1)  # a partial last block
     x = x[:4].clone()
     x[0, 3] = 900.0  # an outlier in the first block of row 0
@@ -76,7 +83,7 @@ def test_activation_blocks_keep_the_documented_precision(dtype):
     block_max = torch.stack([b.abs().amax(1) for b in xd.split(256, dim=1)], 1)  # [rows, blocks]
     per_value = block_max.repeat_interleave(256, dim=1)[:, : x.shape[1]] * 2**-16
     bound = per_value @ w.abs().T  # quantization of the activations
-    bound += exact.abs() * 2.0 ** -(8 if dtype == torch.bfloat16 else 11)  # output rounding
+    bound += exact.abs() * 2.0 ** -MANTISSA[dtype]  # output rounding
     bound += 1e-6 * (xd.abs() @ w.abs().T)  # float32 sums
     assert ((got - exact).abs() <= bound).all(), ((got - exact).abs() / bound).max()
     # the tiny block of row 1 kept its precision: its values contribute at full precision
@@ -117,7 +124,7 @@ torch.save((native.row_dot_paths(), int8_matmul_native(x, qw, scales)), sys.argv
     cpu_isa.LEVELS.index(cpu_isa.this_cpu().hardware_level) < cpu_isa.LEVELS.index("avx2"),
     reason="ENGINE_CPU_ISA=avx2 needs an x86-64-v3 CPU",
 )
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_avx2_row_dots_give_the_bits_of_the_avx512_ones(tmp_path, dtype):
     # gemv.h's AVX2 int8 path keeps the AVX512-VNNI path's int32 lanes (exact) and float32 sums
     # lane for lane, so the two builds agree to the bit: here against this process's build.
@@ -154,7 +161,7 @@ def test_reference_is_right_for_any_width(in_features):
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("rows", [1, 7, 64, 513])  # decode sizes, then prefill sizes
 def test_every_path_matches_float_math_at_the_model_shapes(rows, shape, dtype):
@@ -167,12 +174,12 @@ def test_every_path_matches_float_math_at_the_model_shapes(rows, shape, dtype):
     exact = x.double() @ w.T
     got = kernels.int8_matmul(x, qw.qweight, qw.scales)
     assert got.dtype == dtype and got.shape == (rows, shape[0])
-    # one rounding to the 16-bit dtype, float32 sums
-    bound = exact.abs() * 2.0 ** -(8 if dtype == torch.bfloat16 else 11)
+    # one rounding to x's dtype, float32 sums
+    bound = exact.abs() * 2.0 ** -MANTISSA[dtype]
     bound += 1e-6 * (x.double().abs() @ w.abs().T)
     if rows <= NATIVE_INT8_MAX_ROWS or gemm_dtype(x) == torch.float32:
-        # the C kernel (activations as int16: 2^-16 of the row's largest at most) or exact
-        # float32 weights
+        # the C kernel (activations as int16: 2^-16 of the row's largest at most) or float32
+        # weights (exact from 16-bit scales, one rounding from float32 ones)
         row_max = x.double().abs().amax(1, keepdim=True)
         bound += row_max * 2.0**-16 @ w.abs().sum(1, keepdim=True).T
         assert ((got.double() - exact).abs() <= bound).all()
@@ -199,7 +206,7 @@ def test_many_rows_multiply_in_float32_where_the_cpu_lacks_16_bit_products(monke
     assert gemm_dtype(x) == expected  # under ENGINE_CPU_ISA=avx2: float32
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_blocked_path_widens_a_tile_at_a_time_and_gives_the_whole_weights_result(
     monkeypatch, dtype
 ):
@@ -277,3 +284,23 @@ def test_cpu_dispatch(monkeypatch):
     kernels.int8_matmul(x[: INT8_GEMV_MAX_ROWS + 1], qw.qweight, qw.scales)
     kernels.int8_matmul(x[:INT8_GEMV_MAX_ROWS], qw.qweight, qw.scales)
     assert blocked == [1]
+
+
+@pytest.mark.parametrize("kernels_env", ["auto", "torch"])
+@pytest.mark.parametrize("rows", [1, INT8_GEMV_MAX_ROWS, NATIVE_INT8_MAX_ROWS, 40])
+def test_float32_activations_take_every_path(monkeypatch, rows, kernels_env):
+    # --dtype float32 --quantization int8: float32 x and float32 scales through the C kernel (or
+    # _weight_int8pack_mm under ENGINE_KERNELS=torch) for a few rows and the blocked float32
+    # GEMM for many, each within one float32 rounding plus the C kernel's int16 activations.
+    monkeypatch.setenv("ENGINE_KERNELS", kernels_env)
+    qw, _ = weights(96, 576, torch.float32, seed=6)
+    assert qw.scales.dtype == torch.float32
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(7))
+    w = dequantize_int8(qw, torch.float64)
+    exact = x.double() @ w.T
+    got = kernels.int8_matmul(x, qw.qweight, qw.scales)
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    bound = exact.abs() * 2.0**-24 + 1e-6 * (x.double().abs() @ w.abs().T)
+    bound += x.double().abs().amax(1, keepdim=True) * 2.0**-16 @ w.abs().sum(1, keepdim=True).T
+    assert ((got.double() - exact).abs() <= bound).all()
+    torch.testing.assert_close(got, int8_matmul_ref(x, qw.qweight, qw.scales), rtol=1e-4, atol=1e-3)

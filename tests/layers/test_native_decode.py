@@ -135,8 +135,17 @@ def float32_twin(model):
     return twin
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("int8", [False, True], ids=["16-bit", "int8"])
+@pytest.mark.parametrize(
+    "dtype, int8",
+    [
+        (torch.bfloat16, False),
+        (torch.bfloat16, True),
+        (torch.float16, False),
+        (torch.float16, True),
+        (torch.float32, True),  # int8 weights, float32 activations, scales and KV cache
+    ],
+    ids=["bf16-16-bit", "bf16-int8", "fp16-16-bit", "fp16-int8", "float32-int8"],
+)
 def test_16_bit_and_int8_weights_are_as_accurate_as_the_torch_layers(dtype, int8):
     model = random_model(dtype, bias=True)
     if int8:
@@ -161,8 +170,9 @@ def test_16_bit_and_int8_weights_are_as_accurate_as_the_torch_layers(dtype, int8
         (torch.bfloat16, False),
         (torch.float16, False),
         (torch.bfloat16, True),
+        (torch.float32, True),
     ],
-    ids=["float32", "bf16", "fp16", "int8"],
+    ids=["float32", "bf16", "fp16", "int8", "int8-float32"],
 )
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(dtype, int8):
     # Every weight code's row dots (gemv.h, on this CPU's path: AVX-512, AVX2 or loops) sum in
