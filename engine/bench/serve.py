@@ -40,7 +40,7 @@ import httpx
 import numpy as np
 
 from engine.bench.arrivals import arrival_delays, run_workload
-from engine.bench.backends import EmbeddedBackend, OpenAIBackend, RequestResult
+from engine.bench.backends import EmbeddedBackend, OpenAIBackend
 from engine.bench.datasets import BenchRequest, mooncake_requests, random_requests
 from engine.bench.summary import plot, print_result, summarize
 from engine.cli.engine_options import add_engine_options, engine_argv, engine_config_from_args
@@ -49,7 +49,6 @@ from engine.cli.engine_options import add_engine_options, engine_argv, engine_co
 # the targets (a server or the engine in this process) and the command line. The clients are in
 # engine/bench/backends.py, the arrivals in arrivals.py, the figures in summary.py.
 
-__all__ = ["RequestResult", "arrival_delays", "load_tokenizer", "main", "summarize"]
 
 # -- the server, the engine, the workload --------------------------------------------------------
 

@@ -31,8 +31,6 @@ from pathlib import Path
 from engine.sim.experiments import (
     INF,
     Runner,
-    capacity,
-    command,
     exp_colocated,
     exp_hit_rate,
     exp_policies,
@@ -41,8 +39,6 @@ from engine.sim.experiments import (
 from engine.sim.plots import plot_colocated, plot_hit_rate, plot_policies, plot_rejection
 from engine.sim.report import write_doc
 from engine.sim.trace import DEFAULT_TRACE, REPO
-
-__all__ = ["Runner", "capacity", "command", "main", "write_doc"]
 
 ROOT = REPO
 

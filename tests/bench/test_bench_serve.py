@@ -6,8 +6,10 @@ import argparse
 import json
 import math
 
+from engine.bench.arrivals import arrival_delays
+from engine.bench.backends import RequestResult
 from engine.bench.datasets import mooncake_requests, random_requests
-from engine.bench.serve import RequestResult, arrival_delays, summarize
+from engine.bench.summary import summarize
 
 
 class _Tok:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.sim import reproduce, simulate
+from engine.sim import experiments, simulate
 from engine.sim.simulator import SimConfig
 
 INF = math.inf
@@ -27,7 +27,7 @@ INF = math.inf
     ],
 )
 def test_documented_commands_rebuild_the_runs(cfg, speed, duration):
-    cmd = reproduce.command(cfg, speed, duration)
+    cmd = experiments.command(cfg, speed, duration)
     argv = cmd.split()[2:]  # after "python profiling/simulate.py"
     args = simulate.parse_args(argv)
     assert simulate.config_from(args) == cfg
@@ -35,6 +35,6 @@ def test_documented_commands_rebuild_the_runs(cfg, speed, duration):
 
 
 def test_capacity_interpolates_where_the_share_crosses():
-    assert reproduce.capacity({0.5: 1.0, 1.0: 0.95, 2.0: 0.85}) == pytest.approx(1.5)
-    assert reproduce.capacity({0.5: 0.5, 1.0: 0.2}) == 0.0  # never meets it
-    assert reproduce.capacity({0.5: 0.99, 1.0: 0.98}) == 1.0  # meets it at every speed
+    assert experiments.capacity({0.5: 1.0, 1.0: 0.95, 2.0: 0.85}) == pytest.approx(1.5)
+    assert experiments.capacity({0.5: 0.5, 1.0: 0.2}) == 0.0  # never meets it
+    assert experiments.capacity({0.5: 0.99, 1.0: 0.98}) == 1.0  # meets it at every speed
