@@ -308,14 +308,29 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--log-prefix", default="/tmp/bench_peer_", help="server logs go here")
+    ap.add_argument(
+        "--isa",
+        choices=["avx2", "avx512", "avx512bf16", "native"],
+        default=None,
+        help="run this script and `engine serve` under ENGINE_CPU_ISA=ISA (give an llama-server "
+        "built for the same class: docs/cpu.md)",
+    )
     args = ap.parse_args()
+    if args.isa and os.environ.get("ENGINE_CPU_ISA") != args.isa:
+        # torch and oneDNN read their caps once, when first imported: start again under the cap
+        env = {**os.environ, "ENGINE_CPU_ISA": args.isa}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    from engine.cpu_isa import this_cpu
+
+    cpu = this_cpu().describe()
+    print(cpu, flush=True)  # every figure below comes from this CPU, under this cap
 
     gguf = gguf_file(args.model)
     tok = load_tokenizer(args.model)
     import torch
 
     torch.set_num_threads(args.threads)
-    res: dict = {"args": vars(args), "workloads": {}}
+    res: dict = {"args": vars(args), "cpu": cpu, "workloads": {}}
     print(f"model {gguf}\nthreads {args.threads} per system; engine args: {args.engine_args!r}")
     servers: dict[str, Server] = {}
     try:

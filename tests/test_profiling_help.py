@@ -10,6 +10,7 @@ import ast
 import glob
 import os
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -95,3 +96,24 @@ def test_the_check_sees_each_kind_of_offence(tmp_path):
         "import b",
         "a relative import",
     ]
+
+
+def test_bench_peer_isa_runs_itself_under_the_cap():
+    """``bench_peer.py --isa avx2`` starts again under ENGINE_CPU_ISA=avx2 (torch reads its caps
+    once, at import) and says which CPU and level its figures come from before anything else."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(PROFILING, "bench_peer.py"),
+            "--isa",
+            "avx2",
+            "--model",
+            "/no.gguf",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "ENGINE_CPU_ISA"},
+    )
+    assert out.returncode != 0 and "model path /no.gguf does not exist" in out.stderr
+    assert "ISA level avx2" in out.stdout.splitlines()[0]
