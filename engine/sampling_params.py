@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured.params import StructuredOutputs
+
 # The sampler works in float32: a larger temperature or penalty becomes inf there (and then
 # NaN next to a masked -inf logit), so it is refused here.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -37,6 +39,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # What the output must match (a JSON schema, any JSON object, a regex, a choice, a grammar):
+    # a StructuredOutputs, or a map of its fields. See engine/structured/params.py.
+    structured_outputs: StructuredOutputs | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +52,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.structured_outputs is not None:
+            so = StructuredOutputs.from_dict(self.structured_outputs)
+            object.__setattr__(self, "structured_outputs", so)
         self._validate()
 
     def _validate(self) -> None:
@@ -118,6 +126,12 @@ class SamplingParams:
             "prompt_logprobs",
             "None or in [0, 20]",
             self.prompt_logprobs,
+        )
+        check(
+            self.structured_outputs is None or self.min_tokens == 0,
+            "min_tokens",
+            "0 with structured_outputs (the grammar decides where the output may end)",
+            self.min_tokens,
         )
 
     @property

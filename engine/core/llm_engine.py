@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -28,7 +28,7 @@ from engine.core.request import Request
 from engine.core.sampler import Sampler, SamplingBatch, make_generator
 from engine.core.scheduler import QueueFullError, Scheduler
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.core.stop_conditions import check_stop, safe_text_len
+from engine.core.stop_conditions import StopResult, check_stop, safe_text_len
 from engine.core.validation import cap_for_tests, validate_prompt
 from engine.kv_connector.base import KVConnector
 from engine.kvcache.block_pool import BlockListener
@@ -38,6 +38,10 @@ from engine.model.builder import build_model
 from engine.model.llama import LayerHook
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured.grammar import SequenceGrammar, step_bitmask
+
+if TYPE_CHECKING:
+    from engine.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("engine")
 
@@ -144,6 +148,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._token_texts: dict[int, str] = {}
         self.layer_hook: LayerHook | None = None
+        self._grammar_compiler: GrammarCompiler | None = None
         self.num_steps = 0
         self.step_times = StepTimes()
 
@@ -165,6 +170,16 @@ class LLMEngine:
         note = isa.slow_dtype_note(dtype)
         if note:
             logger.warning(note)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints against this engine's tokenizer (made on first
+        use: an engine that never sees a constraint never loads xgrammar)."""
+        if self._grammar_compiler is None:
+            from engine.structured.compiler import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_compiler
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -194,6 +209,11 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._parents:
             raise ValueError(f"request_id {rid!r} is already in use")
+        # A constraint compiles once (cached): the servers compile it off their event loop
+        # before they get here, so this is a cache hit for them.
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler.compile(params.structured_outputs)
         room = self.scheduler.config.max_waiting - len(self.scheduler.waiting)
         if params.n > room:  # before building n requests (n = 10**6 took 30 s and GBs)
             raise QueueFullError(
@@ -213,6 +233,8 @@ class LLMEngine:
                 generator=None if seed is None else make_generator(seed, self.device),
                 arrival_time=arrival_time,
             )
+            if grammar is not None:
+                child.grammar = SequenceGrammar(grammar)
             if i > 0:
                 child.prompt_logprobs = None  # one child computes them for all (same prompt)
             children.append(child)
@@ -326,6 +348,10 @@ class LLMEngine:
             logits = self.runner.execute(inputs, hook)
         t2 = time.perf_counter()
         sampling = [s.request for s in inputs.order if s.samples]
+        grammars = [r.grammar for r in sampling]
+        bitmask = None
+        if any(g is not None for g in grammars):
+            bitmask = step_bitmask(grammars, self.model_config.vocab_size)
         batch = SamplingBatch.build(
             [r.params for r in sampling],
             [r.generator for r in sampling],
@@ -334,6 +360,7 @@ class LLMEngine:
             self.model_config.vocab_size,
             self.device,
             eos_token_ids=self.eos_token_ids,
+            bitmask=bitmask,
         )
         sampled = self.sampler(logits, batch)
         t3 = time.perf_counter()
@@ -385,6 +412,12 @@ class LLMEngine:
                 self.metrics.itl.observe(now - m.last_token_time)
             self.metrics.generation_tokens += 1
         m.last_token_time = now
+        if req.grammar is not None and not req.grammar.accept(token):
+            # Only a token sampled elsewhere without the constraint gets here.
+            logger.error("%s: token %d is not allowed by its grammar", req.request_id, token)
+            self.scheduler.finish(req, "abort")
+            self._count_finished(req)
+            return
         req.append_token(token)
         if lp is not None and req.logprobs is not None:
             req.logprobs.append(lp)
@@ -402,6 +435,8 @@ class LLMEngine:
             req.text_limit = stop.truncate_to
         elif stop.finished:
             req.detokenizer.flush()  # an incomplete character at the very end
+        if not stop.finished and req.grammar is not None and req.grammar.terminated:
+            stop = StopResult(True, "stop", None, None)  # the grammar ended (ignore_eos)
         if stop.finished:
             self.scheduler.finish(req, stop.finish_reason, stop.stop_reason)
             self._count_finished(req)
@@ -481,6 +516,8 @@ class LLMEngine:
         """Release the KV connector's threads, shared memory and sockets. Idempotent."""
         if self.connector is not None:
             self.connector.close()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
 
     def run_until_done(self, show_progress: bool = False, total: int | None = None):
         """Step until every request finished; yields each step's outputs."""

@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.core.detokenizer import IncrementalDetokenizer
+    from engine.structured.grammar import SequenceGrammar
 from engine.outputs import PromptLogprobs, RequestMetrics, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class Request:
         self.detokenizer = detokenizer
         self.extra_keys: tuple = (cache_salt,) if cache_salt else ()
         self.generator = generator
+        # The sequence's place in its structured-output grammar (engine/structured/grammar.py).
+        self.grammar: SequenceGrammar | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -1,13 +1,13 @@
 """The sampler: turns one step's logits into one token per sequence, vectorised across the batch.
 
-Per row: min_tokens mask -> repetition penalty -> frequency/presence penalties -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> random draw. Top-k, top-p and min-p each keep a prefix of
-the tokens sorted by logit, and top-p's mass is taken over the top-k set; min-p keeps the tokens
-with ``p >= min_p * p_max`` (``p_max`` is the same before and after the other cuts), so its place
-in the order matters only to how top-p's mass is counted: vLLM v1 renormalises over the min-p set
-first, we count over the top-k set as HF does. Logprobs come from the log-softmax of the RAW model
-logits, before all of this (vLLM's default ``raw_logprobs``): they describe the model, not the
-sampling settings.
+Per row: structured-output bitmask -> min_tokens mask -> repetition penalty -> frequency/presence
+penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> random draw. Top-k, top-p
+and min-p each keep a prefix of the tokens sorted by logit, and top-p's mass is taken over the
+top-k set; min-p keeps the tokens with ``p >= min_p * p_max`` (``p_max`` is the same before and
+after the other cuts), so its place in the order matters only to how top-p's mass is counted: vLLM
+v1 renormalises over the min-p set first, we count over the top-k set as HF does. Logprobs come
+from the log-softmax of the RAW model logits, before all of this (vLLM's default ``raw_logprobs``):
+they describe the model, not the sampling settings.
 
 Cost is paid only by the rows that need it. An all-greedy batch without penalties is one argmax.
 Penalties and the min_tokens mask touch only the (row, token) pairs they name. Rows with top-k or
@@ -36,6 +36,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured.grammar import apply_bitmask
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them only risks overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -98,6 +99,10 @@ class SamplingBatch:
     penalty: torch.Tensor | None  # frequency * count + presence, per key
     logprob_rows: list[int]
     num_logprobs: list[int]
+    # Structured outputs: the int32 token bitmask [num_rows, ceil(vocab/32)] and the rows it
+    # constrains (engine/structured/grammar.py); None when no row is constrained.
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
     @classmethod
     def build(
@@ -109,10 +114,13 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
+        bitmask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> SamplingBatch:
         """``eos_token_ids`` are the model's EOS ids: while a row has fewer than ``min_tokens``
         outputs they (unless ``ignore_eos``) and its ``stop_token_ids`` are masked. A random row
         samples from ``generators[i]`` when it is not None; a row with a ``seed`` must have one.
+        ``bitmask`` is a step's (bitmask, constrained rows) from structured outputs: the tokens
+        it leaves out of a row are masked before penalties, temperature and filters.
         """
         n = len(params)
         if not (len(generators) == len(prompt_token_ids) == len(output_token_ids) == n):
@@ -154,7 +162,7 @@ class SamplingBatch:
         return cls(
             num_rows=n,
             vocab_size=vocab_size,
-            fast_greedy=all(greedy) and not (rep or pen or mask_rows),
+            fast_greedy=all(greedy) and not (rep or pen or mask_rows or bitmask),
             greedy_rows=_index([i for i in range(n) if greedy[i]], device) if any(greedy) else None,
             plain=draw([i for i in random if not filters(params[i])]),
             filtered=draw([i for i in random if filters(params[i])]),
@@ -167,6 +175,8 @@ class SamplingBatch:
             penalty=penalty,
             logprob_rows=logprob_rows,
             num_logprobs=[params[i].logprobs for i in logprob_rows],
+            bitmask=bitmask[0] if bitmask else None,
+            bitmask_rows=bitmask[1] if bitmask else None,
         )
 
 
@@ -244,13 +254,21 @@ class Sampler:
 
     @staticmethod
     def penalized_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        """fp32 logits after the min_tokens mask and the penalties: what greedy rows argmax over
-        and random rows divide by their temperature. Never writes into ``logits``."""
+        """fp32 logits after the structured-output bitmask, the min_tokens mask and the
+        penalties: what greedy rows argmax over and random rows divide by their temperature.
+        Never writes into ``logits``."""
         x = logits.float().contiguous()
-        if b.mask_keys is None and b.repetition_keys is None and b.penalty_keys is None:
+        if (
+            b.mask_keys is None
+            and b.repetition_keys is None
+            and b.penalty_keys is None
+            and b.bitmask is None
+        ):
             return x
         if x.data_ptr() == logits.data_ptr():
             x = x.clone()
+        if b.bitmask is not None:
+            apply_bitmask(x, b.bitmask, b.bitmask_rows)
         flat = x.view(-1)
         if b.mask_keys is not None:
             flat[b.mask_keys] = -math.inf

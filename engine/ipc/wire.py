@@ -27,7 +27,7 @@ _FLOAT_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
-_NULLABLE = ("seed", "logprobs", "prompt_logprobs")
+_NULLABLE = ("seed", "logprobs", "prompt_logprobs", "structured_outputs")
 
 
 def _is_int(v: object) -> bool:
@@ -35,9 +35,12 @@ def _is_int(v: object) -> bool:
 
 
 def params_to_wire(p: SamplingParams) -> dict:
-    """Every field but ``extra``, tuples as lists."""
+    """Every field but ``extra``, tuples as lists, the structured-output constraint as the map
+    of its set fields (StructuredOutputs.to_dict)."""
     d = {f: getattr(p, f) for f in _PARAM_FIELDS}
     d["stop"], d["stop_token_ids"] = list(p.stop), list(p.stop_token_ids)
+    so = p.structured_outputs
+    d["structured_outputs"] = None if so is None else so.to_dict()
     return d
 
 
@@ -68,6 +71,9 @@ def params_from_wire(raw: object) -> SamplingParams:
     ids = raw.get("stop_token_ids", [])
     if not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
         raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+    so = raw.get("structured_outputs")
+    if so is not None and not isinstance(so, dict):
+        raise ValueError(f"structured_outputs must be a map, got {type(so).__name__}")
     return SamplingParams(**raw)
 
 

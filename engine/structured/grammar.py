@@ -1,0 +1,66 @@
+"""A sequence's place in its grammar, and the token bitmask of a step's constrained rows.
+
+Each constrained sequence (each choice of an ``n > 1`` request) has its own matcher, advanced
+with every token it samples. The matcher's state is a function of the sequence's output tokens
+alone, so it needs no saving: a preempted sequence keeps its output tokens and its matcher, and
+an engine that continues a sequence another engine started (a decode worker taking a prefill
+worker's first token) builds a matcher and feeds it the tokens so far (``SequenceGrammar.replay``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class SequenceGrammar:
+    """One sequence's matcher. ``accept`` returns False for a token the grammar does not allow
+    (the matcher is then unchanged); ``terminated`` once it accepted a stop token."""
+
+    def __init__(self, compiled) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self.matcher.accept_token(token_id))
+
+    def replay(self, token_ids: Sequence[int]) -> bool:
+        return all(self.accept(t) for t in token_ids)
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    @property
+    def completed(self) -> bool:
+        """The output so far is a whole match (only a stop token may follow, or more)."""
+        return bool(self.matcher.is_completed())
+
+
+def step_bitmask(
+    grammars: Sequence[SequenceGrammar | None], vocab_size: int
+) -> tuple[torch.Tensor, list[int]] | None:
+    """The int32 bitmask [rows, ceil(vocab/32)] of a step (all ones on rows without a grammar)
+    and the rows that have one; None when no row has. Each row costs its matcher microseconds:
+    the masks of a grammar's states are precomputed when it compiles."""
+    rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    if not rows:
+        return None
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+    for i in rows:
+        grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask, rows
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the logits of the tokens a row's grammar does not allow to -inf, in place, on the
+    listed rows only (float32 [rows, vocab] on the CPU or a GPU; xgrammar picks the kernel)."""
+    import xgrammar as xgr
+
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
