@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -157,6 +158,18 @@ def _tojson(
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+
+
+def template_variables(source: str | None) -> set[str]:
+    """The variables a chat template reads from its context (``tools`` if it renders tools);
+    empty for no template or one that does not parse."""
+    if not source:
+        return set()
+    try:
+        env = _compile_template(source).environment
+        return set(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateError:
+        return set()
 
 
 @lru_cache(maxsize=16)

@@ -8,13 +8,15 @@ style); here only what SamplingParams cannot see.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError
+from engine.structured.tools import MAX_TOOLS, TOOL_NAME, Tool, ToolRequest
 
 MAX_N = 128  # choices per prompt, as OpenAI caps n
 MAX_SEQUENCES = 1024  # prompts x n in one request
@@ -44,6 +46,8 @@ _NO_OPS: dict[str, tuple] = {
 
 def reject_unsupported(model: BaseModel, names: list[str]) -> None:
     for name in names:
+        if name in getattr(model, "_served", ()):  # a subclass that serves it (tools on chat)
+            continue
         value = getattr(model, name, None)
         if value is None or any(value == ok for ok in _NO_OPS.get(name, ())):
             continue
@@ -172,12 +176,46 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the reply gave it
+
+
+class ToolCall(_Strict):
+    """A call an earlier assistant turn made (its reply's message.tool_calls, sent back)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # every call is checked against parameters anyway when forced
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: SkipJsonSchema[Any] = None  # refused (ChatCompletionRequest.check_chat_unsupported)
-    tool_call_id: SkipJsonSchema[Any] = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's, sent back in a round trip
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     @model_validator(mode="before")
     @classmethod
@@ -201,10 +239,29 @@ class ChatMessage(_Strict):
         return content or ""
 
     def as_template_dict(self) -> dict:
-        out = {"role": self.role, "content": self.text()}
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            # Templates write the arguments as JSON themselves (tojson): give them the map.
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _arguments(c)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -218,6 +275,47 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: SkipJsonSchema[Any] = None
     chat_template: SkipJsonSchema[Any] = None
     continue_final_message: SkipJsonSchema[Any] = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    _served: ClassVar[frozenset[str]] = frozenset(("tools", "tool_choice", "parallel_tool_calls"))
+
+    def tool_request(self) -> ToolRequest | None:
+        """The tools this request offers and how it asks for calls; None: no tools (none given,
+        or tool_choice "none")."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise APIError(400, "tool_choice requires tools", "tool_choice")
+            return None
+        if len(self.tools) > MAX_TOOLS:
+            raise APIError(
+                400, f"tools holds {len(self.tools)} tools; the limit is {MAX_TOOLS}", "tools"
+            )
+        tools, seen = [], set()
+        for i, t in enumerate(self.tools):
+            name = t.function.name
+            if not TOOL_NAME.fullmatch(name):
+                raise APIError(
+                    400,
+                    f"tools.{i}.function.name must be 1 to 64 letters, digits, _ or -, "
+                    f"got {name!r}",
+                    "tools",
+                )
+            if name in seen:
+                raise APIError(400, f"tools.{i}.function.name {name!r} is given twice", "tools")
+            seen.add(name)
+            tools.append(Tool(name, t.function.description, t.function.parameters))
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.function.name
+            if choice not in seen:
+                raise APIError(
+                    400, f"tool_choice names {choice!r}, which is not in tools", "tool_choice"
+                )
+        parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
+        return ToolRequest(tuple(tools), choice or "auto", parallel)
 
     def engine_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
@@ -241,12 +339,23 @@ class ChatCompletionRequest(_SamplingRequest):
                 "chat_template in a request is not accepted: the model's own template is used",
                 "chat_template",
             )
-        for i, m in enumerate(self.messages):
-            if m.tool_calls is not None or m.tool_call_id is not None:
-                field = "tool_calls" if m.tool_calls is not None else "tool_call_id"
-                raise APIError(
-                    400, f"messages.{i}.{field}: tool calls are not supported", "messages"
-                )
+        check_tool_messages(self.messages)
+
+
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """tool_calls only on an assistant's message, tool_call_id on (and only on) a tool's."""
+    for i, m in enumerate(messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise APIError(
+                400, f"messages.{i}.tool_calls is only allowed on an assistant message", "messages"
+            )
+        if (m.tool_call_id is not None) != (m.role == "tool"):
+            message = (
+                f"messages.{i}.tool_call_id is required on a tool message"
+                if m.role == "tool"
+                else f"messages.{i}.tool_call_id is only allowed on a tool message"
+            )
+            raise APIError(400, message, "messages")
 
 
 class TokenizeRequest(_Strict):

@@ -7,6 +7,7 @@ event bytes, and raises APIError or the engine's own exceptions (mapped in error
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import functools
 import json
 import re
@@ -15,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from engine.model.tokenizer import template_variables
 from engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, to_api_error
@@ -26,6 +28,9 @@ from engine.server.openai_protocol import (
 )
 from engine.server.streams import RequestStreams
 from engine.server.tokenize_pool import check_prompt_chars
+from engine.server.tool_calls import ToolCallStream, calls_json, finish_reason, parse_reply
+from engine.structured.tool_parsers import get_parser
+from engine.structured.tools import ToolRequest, constraint, detect_format, render_messages
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 DONE = b"data: [DONE]\n\n"
@@ -53,14 +58,19 @@ class Job:
     echo: list[str] | None = None  # completions with echo: the prompt texts
     prompt_logprobs: bool = False  # vLLM's: per choice (completions) or per response (chat)
     cache_salt: str | None = None
+    tools: ToolRequest | None = None  # chat with tools offered: replies are parsed for calls
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 class OpenAIServing:
-    def __init__(self, llm, model_names: list[str]) -> None:
+    def __init__(self, llm, model_names: list[str], tool_call_parser: str | None = None) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.model_names = model_names
+        # The tool-call format: the chat template's own, or the one named (tools.py).
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_format = tool_call_parser or detect_format(template, template_variables(template))
+        self.tool_parser = get_parser(self.tool_format)
         self._token_str: dict[int, str] = {}  # bounded by the vocabulary
         self._token_bytes: dict[int, bytes] = {}
 
@@ -109,35 +119,65 @@ class OpenAIServing:
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         model = self.check_model(req.model)
         req.check_chat_unsupported()
-        prompt = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        tools = req.tool_request()
+        prompt = self.render_chat(
+            req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools
+        )
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = self._default_max_tokens([prompt])
         logprobs = req.engine_logprobs()
+        params = req.sampling_params(max_tokens, logprobs)
+        if tools is not None:
+            params = self._tool_constraint(params, tools)
         return Job(
             chat=True,
             id=f"chatcmpl-{uuid.uuid4().hex}",
             model=model,
             prompts=[prompt],
-            params=req.sampling_params(max_tokens, logprobs),
+            params=params,
             include_usage=req.include_usage,
             top_logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs is not None,
             cache_salt=req.cache_salt,
+            tools=tools,
         )
 
+    def _tool_constraint(self, params: SamplingParams, tools: ToolRequest) -> SamplingParams:
+        """The grammar of the reply's calls (tools.py), added to the request's parameters."""
+        try:
+            so = constraint(self.tool_format, tools)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "tools") from None
+        if so is None:
+            return params
+        if params.structured_outputs is not None:
+            raise APIError(
+                400,
+                f"tool_choice {tools.choice!r} constrains the reply itself; it cannot be "
+                "combined with response_format or structured_outputs",
+                "tool_choice",
+            )
+        return dataclasses.replace(params, structured_outputs=so)
+
     def render_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: dict | None,
+        tools: ToolRequest | None = None,
     ) -> list[int]:
         chars = sum(len(m.text()) for m in messages)
         check_prompt_chars(chars, self.tokenizer, self.llm.max_model_len, "messages")
+        # Tools, earlier calls and their results: through the template or the generic format.
+        dicts, extra = render_messages(
+            self.tool_format, [m.as_template_dict() for m in messages], tools
+        )
         try:
             text = self.tokenizer.apply_chat_template(
-                [m.as_template_dict() for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                **(kwargs or {}),
+                dicts, add_generation_prompt=add_generation_prompt, **{**(kwargs or {}), **extra}
             )
         except Exception as exc:  # the template rejected the conversation (roles, content ...)
             raise APIError(400, f"messages could not be rendered: {exc}", "messages") from exc
@@ -192,7 +232,13 @@ class OpenAIServing:
         if job.top_logprobs is not None and c.logprobs is not None:
             lps = self._logprobs(job, c.logprobs, TextCursor())
         out = {"index": index, "logprobs": lps, "finish_reason": c.finish_reason}
-        if job.chat:
+        if job.chat and job.tools is not None:
+            content, calls = parse_reply(self.tool_parser, c.text, job.tools.parallel)
+            out["message"] = {"role": "assistant", "content": content}
+            if calls:
+                out["message"]["tool_calls"] = calls_json(calls)
+            out["finish_reason"] = finish_reason(c.finish_reason, calls)
+        elif job.chat:
             out["message"] = {"role": "assistant", "content": c.text}
         else:
             out["text"] = (job.echo[prompt_index] if job.echo else "") + c.text
@@ -218,11 +264,12 @@ class OpenAIServing:
         finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
         offsets: dict[int, TextCursor] = {}
+        tool_streams: dict[int, ToolCallStream] = {}
         try:
             async for i, out in streams:
                 finals[i] = out
                 parts = [
-                    sse(self._chunk(job, i, c, started, offsets))
+                    sse(self._chunk(job, i, c, started, offsets, tool_streams))
                     for c in out.outputs
                     if c.new_token_ids or c.new_text or c.finish_reason
                 ]
@@ -251,7 +298,13 @@ class OpenAIServing:
         return out
 
     def _chunk(
-        self, job: Job, prompt_index: int, c: CompletionOutput, started: set, offsets: dict
+        self,
+        job: Job,
+        prompt_index: int,
+        c: CompletionOutput,
+        started: set,
+        offsets: dict,
+        tool_streams: dict | None = None,
     ) -> dict:
         index = prompt_index * job.params.n + c.index
         first = index not in started
@@ -260,7 +313,18 @@ class OpenAIServing:
         lps = None
         if job.top_logprobs is not None and c.new_logprobs is not None:
             lps = self._logprobs(job, c.new_logprobs, offsets.setdefault(index, TextCursor()))
-        if job.chat:
+        reason = c.finish_reason
+        if job.chat and job.tools is not None and tool_streams is not None:
+            stream = tool_streams.get(index)
+            if stream is None:
+                stream = tool_streams[index] = ToolCallStream(self.tool_parser, job.tools.parallel)
+            text, calls = stream.feed(text, reason is not None)
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if calls:
+                delta["tool_calls"] = calls_json(calls, streamed=True)
+            reason = finish_reason(reason, calls)
+            choice = {"index": index, "delta": delta}
+        elif job.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": index, "delta": delta}
         else:
@@ -268,7 +332,7 @@ class OpenAIServing:
                 text = job.echo[prompt_index] + text
             choice = {"index": index, "text": text}
         choice["logprobs"] = lps
-        choice["finish_reason"] = c.finish_reason
+        choice["finish_reason"] = reason
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason
         return self._chunk_head(job, [choice])
