@@ -98,8 +98,11 @@ def detect_format(template: str | None, variables: set[str]) -> str:
 
 
 def constraint(fmt: str, req: ToolRequest) -> StructuredOutputs | None:
-    """The grammar the reply must match, or None (an "auto" reply the parser reads as it is)."""
+    """The grammar the reply must match, or None (an "auto" reply the parser reads as it is).
+    A tool's ``parameters`` that xgrammar cannot read is a ValueError naming the tool."""
     tools = req.allowed()
+    if fmt == "generic" or req.forced:
+        check_schemas(req.tools)
     if fmt == "generic":
         if not req.forced:
             return StructuredOutputs(grammar=_generic_auto_grammar(req.tools, req.parallel))
@@ -127,6 +130,21 @@ def constraint(fmt: str, req: ToolRequest) -> StructuredOutputs | None:
         "stop_after_first": not req.parallel,
     }
     return StructuredOutputs(grammar=_structural_tag_ebnf(fmt_tag))
+
+
+def check_schemas(tools: tuple[Tool, ...]) -> None:
+    import xgrammar as xgr
+
+    for i, t in enumerate(tools):
+        try:
+            xgr.Grammar.from_json_schema(json.dumps(t.schema), any_whitespace=False)
+        except Exception as exc:  # xgrammar's errors are RuntimeErrors with the reason
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            reason = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", lines[0])
+            raise ValueError(
+                f"tools.{i}.function.parameters is not a JSON schema this server can compile: "
+                f"{reason}"
+            ) from None
 
 
 def generic_calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict:
