@@ -21,7 +21,10 @@ def test_openapi_describes_bodies_and_errors(http):
         assert ref.rsplit("/", 1)[1] in schemas
         assert {"400", "413", "429"} <= set(op["responses"]), path
     assert "messages" in schemas["ChatCompletionRequest"]["properties"]
-    assert "tools" not in schemas["ChatCompletionRequest"]["properties"]  # refused, not offered
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat)  # served
+    assert "functions" not in chat  # refused, not offered
+    assert "tools" not in schemas["CompletionRequest"]["properties"]
     gen = paths["/v1/completions"]["post"]["responses"]
     assert set(gen["200"]["content"]) == {"application/json", "text/event-stream"}
     assert {"404", "503"} <= set(gen)
