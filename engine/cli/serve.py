@@ -48,6 +48,13 @@ def add_server_commands(subparsers, engine_args_fn) -> None:
         help="generation requests one client address may have in flight; beyond, 429 "
         f"(default: {DEFAULT_PER_CLIENT}, or --max-pending if lower; 0: no per-client cap)",
     )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "generic"],
+        help="the tool-call format of the model's replies (docs/tool_calls.md; default: read "
+        "from the chat template: hermes for Qwen-style, llama3_json for Llama 3.x, else generic)",
+    )
     _common(s)
     s.set_defaults(func=cmd_serve)
 
@@ -179,6 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_docs=not args.disable_fastapi_docs,
         model_root=args.model,
         max_pending_per_client=args.max_pending_per_client or None,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

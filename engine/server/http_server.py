@@ -59,15 +59,17 @@ def build_app(
     enable_docs: bool = True,
     model_root: str | None = None,
     max_pending_per_client: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The ASGI app. ``llm`` is any EngineClient (engine_client.py); ``shutdown_engine``: shut it
     down when the app stops (off when the engine outlives the app, as in tests).
     ``enable_docs``: serve /openapi.json, /docs and /redoc (vLLM does by default).
     ``model_root``: what /v1/models shows as ``root`` (vLLM: the --model value as given).
     ``max_pending_per_client``: generation requests one client address may have in flight
-    (inflight_cap.py); None: no per-client cap."""
+    (inflight_cap.py); None: no per-client cap. ``tool_call_parser``: the tool-call format of
+    the model's replies (tools.py); None: read from its chat template."""
     root = model_root or served_model_names[0]
-    serving = OpenAIServing(llm, served_model_names)
+    serving = OpenAIServing(llm, served_model_names, tool_call_parser)
     offload = Offloader()
     rejections = Rejections()
     registry = make_registry(EngineCollector(llm, served_model_names[0], rejections))

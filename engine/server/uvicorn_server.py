@@ -97,6 +97,7 @@ def serve_http(
     enable_docs: bool = True,
     model_root: str | None = None,
     max_pending_per_client: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread.
     ``sock``: a socket bound already (``bind_socket``), so that a port in use is found before
@@ -108,6 +109,7 @@ def serve_http(
         enable_docs=enable_docs,
         model_root=model_root,
         max_pending_per_client=max_pending_per_client,
+        tool_call_parser=tool_call_parser,
     )
     config = uvicorn_config(
         app,
