@@ -305,6 +305,14 @@ class ChatCompletionRequest(_SamplingRequest):
             if name in seen:
                 raise APIError(400, f"tools.{i}.function.name {name!r} is given twice", "tools")
             seen.add(name)
+            kind = (t.function.parameters or {}).get("type", "object")
+            if kind != "object":
+                raise APIError(
+                    400,
+                    f"tools.{i}.function.parameters must be the JSON schema of an object "
+                    f'(its arguments), got "type": {json.dumps(kind)}',
+                    "tools",
+                )
             tools.append(Tool(name, t.function.description, t.function.parameters))
         if choice == "none":
             return None

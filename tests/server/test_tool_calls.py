@@ -214,6 +214,18 @@ _TOOL = TOOLS[0]
             "tools",
             "tools.0.function.parameters",
         ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools",
+            "tools.0.function.parameters must be the JSON schema of an object",
+        ),
         ({"messages": [{"role": "tool", "content": "1"}]}, "messages", "tool_call_id"),
         (
             {"messages": [{"role": "user", "content": "1", "tool_call_id": "c"}]},
