@@ -319,7 +319,10 @@ class OpenAIServing:
             if stream is None:
                 stream = tool_streams[index] = ToolCallStream(self.tool_parser, job.tools.parallel)
             text, calls = stream.feed(text, reason is not None)
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            # As OpenAI streams calls: content null until there is some, never "".
+            delta = {"role": "assistant", "content": text or None} if first else {}
+            if text and not first:
+                delta["content"] = text
             if calls:
                 delta["tool_calls"] = calls_json(calls, streamed=True)
             reason = finish_reason(reason, calls)

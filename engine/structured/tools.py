@@ -117,7 +117,7 @@ def constraint(fmt: str, req: ToolRequest) -> StructuredOutputs | None:
         {
             "type": "tag",
             "begin": f'{begin}{t.name}", "{key}": ',
-            "content": {"type": "json_schema", "json_schema": t.schema},
+            "content": {"type": "grammar", "grammar": _json_ebnf(t.schema)},
             "end": end,
         }
         for t in tools
@@ -171,11 +171,17 @@ def _generic_auto_grammar(tools: tuple[Tool, ...], parallel: bool) -> str:
     """A generic call object, or text that does not start with "{" or whitespace."""
     import xgrammar as xgr
 
-    calls = xgr.Grammar.from_json_schema(
-        json.dumps(generic_calls_schema(tools, parallel)), any_whitespace=False
-    )
+    calls = xgr.Grammar.from_ebnf(_json_ebnf(generic_calls_schema(tools, parallel)))
     text = xgr.Grammar.from_ebnf("root ::= [^{ \\t\\r\\n] [^]*")
     return str(xgr.Grammar.union(calls, text))
+
+
+def _json_ebnf(schema: dict) -> str:
+    """The schema's grammar, writing JSON as the models do (``{"a": 1, "b": 2}``): no other
+    whitespace, so that a small model cannot spend its tokens on it."""
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
 
 
 def _structural_tag_ebnf(fmt: dict) -> str:

@@ -10,6 +10,8 @@ import json
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from serverutil import http_server
 
 WEATHER = {
     "type": "object",
@@ -59,9 +61,12 @@ def _chat(client, messages, **kwargs):
 
 
 def _streamed(client, messages, **kwargs) -> tuple[str | None, list[dict], str]:
-    """content, calls (name and arguments) and finish_reason, accumulated from the deltas."""
+    """content, calls (name and arguments) and finish_reason, accumulated from the deltas, here
+    and by the ``openai`` client's own accumulator (which must agree)."""
     content, calls, reason = None, {}, None
+    state = ChatCompletionStreamState(input_tools=TOOLS)
     for chunk in _chat(client, messages, stream=True, **kwargs):
+        state.handle_chunk(chunk)
         for choice in chunk.choices:
             delta = choice.delta
             if delta.content:
@@ -73,6 +78,12 @@ def _streamed(client, messages, **kwargs) -> tuple[str | None, list[dict], str]:
                 entry["arguments"] += tc.function.arguments or ""
             reason = choice.finish_reason or reason
     assert all(c["id"].startswith("call_") for c in calls.values())
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == reason
+    ours = [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+    theirs = [(c.id, c.function.name, c.function.arguments) for c in final.message.tool_calls or ()]
+    assert theirs == ours
+    assert final.message.content == content
     return (
         content,
         [{k: c[k] for k in ("name", "arguments")} for _, c in sorted(calls.items())],
@@ -156,6 +167,22 @@ def test_tool_choice_none_makes_no_call(client):
     assert r.choices[0].message.tool_calls is None
     assert isinstance(r.choices[0].message.content, str)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_hermes_format_forced_on_the_default_model(llm):
+    """--tool-call-parser hermes: a forced call is written and read in Qwen's <tool_call> format
+    (the default model's template ignores the tools, but the grammar makes the call)."""
+    with http_server(llm, tool_call_parser="hermes") as s:
+        hermes = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        # <tool_call> is 5 tokens of this vocabulary (one in Qwen's): room for two of them.
+        kwargs = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 96}
+        r = _chat(hermes, ASK, **kwargs)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", repr(c.message.content)
+        assert len(c.message.tool_calls) == 1
+        _check_call(c.message.tool_calls[0])
+        content, calls, reason = _streamed(hermes, ASK, **kwargs)
+        assert (content, calls, reason) == (*_whole(c.message), "tool_calls")
 
 
 def test_tool_history_renders_without_tools(client, http):
