@@ -44,7 +44,7 @@ SHORT = 40  # "auto": enough for a call, or the start of a text
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def _check_call(call) -> None:
@@ -173,7 +173,7 @@ def test_hermes_format_forced_on_the_default_model(llm):
     """--tool-call-parser hermes: a forced call is written and read in Qwen's <tool_call> format
     (the default model's template ignores the tools, but the grammar makes the call)."""
     with http_server(llm, tool_call_parser="hermes") as s:
-        hermes = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        hermes = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         # <tool_call> is 5 tokens of this vocabulary (one in Qwen's): room for two of them.
         kwargs = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 96}
         r = _chat(hermes, ASK, **kwargs)
