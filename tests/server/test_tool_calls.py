@@ -13,6 +13,9 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from serverutil import http_server
 
+from engine.server.tool_calls import ToolCallStream
+from engine.structured.tool_parsers import GenericParser, HermesParser, ParsedCall
+
 WEATHER = {
     "type": "object",
     "properties": {
@@ -285,3 +288,28 @@ def test_bad_tool_requests_are_400(http, extra, param, words):
     if param is not None:
         assert err["param"] == param, err
         assert words in err["message"], err
+
+
+def _feed(stream: ToolCallStream, pieces: list[str]) -> tuple[list[str], list[ParsedCall]]:
+    sent = [stream.feed(p, False)[0] for p in pieces[:-1]]
+    last, calls = stream.feed(pieces[-1], True)
+    return [*sent, last], calls
+
+
+def test_stream_holds_back_what_may_be_a_call():
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    weather = ParsedCall("get_weather", '{"city": "Paris"}')
+    pieces = ["Let me ", "check.\n", "<tool", "_call>\n" + call[:20], call[20:] + "\n</tool_call>"]
+    sent, calls = _feed(ToolCallStream(HermesParser(), True), pieces)
+    assert sent == ["Let me", " check.", "", "", ""] and calls == [weather]
+    # Text that only looked like the start of a tag goes out once it is not one.
+    sent, calls = _feed(ToolCallStream(HermesParser(), True), ["a <tool", "s> b"])
+    assert sent == ["a", " <tools> b"] and calls == []
+    generic = '{"tool_calls": [' + call + ", " + call + "]}"
+    sent, calls = _feed(ToolCallStream(GenericParser(), False), [generic[:9], generic[9:]])
+    assert sent == ["", ""] and calls == [weather]  # parallel calls off: the first only
+    sent, calls = _feed(ToolCallStream(GenericParser(), True), ["Sun", "ny."])
+    assert sent == ["Sun", "ny."] and calls == []
+    # A call cut short (max_tokens) is not a call: the held text goes out as content.
+    sent, calls = _feed(ToolCallStream(GenericParser(), True), ['{"tool_', 'calls": ['])
+    assert sent == ["", '{"tool_calls": ['] and calls == []
