@@ -1,0 +1,89 @@
+"""SequenceGrammar and a step's bitmask on the default model's tokenizer: a matcher accepts what
+its grammar allows and refuses the rest unchanged, replays a sequence's tokens, terminates on the
+stop token; ``step_bitmask`` is None without a live grammar and all ones on unconstrained rows;
+``apply_bitmask`` sets exactly the disallowed logits of the listed rows to -inf."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import smollm2_tokenizer
+
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.grammar import SequenceGrammar, apply_bitmask, step_bitmask
+from engine.structured.params import StructuredOutputs
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = smollm2_tokenizer()
+    compiler = GrammarCompiler(tok, VOCAB)
+    yield tok, compiler
+    compiler.close()
+
+
+def grammar(setup, **so) -> SequenceGrammar:
+    return SequenceGrammar(setup[1].compile(StructuredOutputs(**so)))
+
+
+def allowed(bitmask: torch.Tensor, row: int) -> set[int]:
+    out = set()
+    for word_index, word in enumerate(bitmask[row].tolist()):
+        for bit in range(32):
+            if (word >> bit) & 1:
+                out.add(word_index * 32 + bit)
+    return {t for t in out if t < VOCAB}
+
+
+def test_accept_refuse_replay_terminate(setup):
+    tok, _ = setup
+    eos = tok.eos_token_ids[0]
+    g = grammar(setup, choice=["yes", "no"])
+    (no,) = tok.encode("no")
+    (hello,) = tok.encode("hello")
+    assert not g.accept(hello)  # refused, state unchanged
+    assert not g.completed and not g.terminated
+    assert g.accept(no)
+    assert g.completed and not g.terminated
+    assert not g.accept(hello)  # nothing may follow but the stop token
+    assert g.accept(eos) and g.terminated
+
+    # A fresh matcher fed the same tokens ends in the same state; a bad token stops a replay.
+    h = grammar(setup, choice=["yes", "no"])
+    assert h.replay([no]) and h.completed
+    assert not grammar(setup, choice=["yes", "no"]).replay([no, hello])
+
+
+def test_step_bitmask_constrains_only_live_grammar_rows(setup):
+    tok, _ = setup
+    assert step_bitmask([None, None], VOCAB) is None
+    done = grammar(setup, choice=["no"])
+    done.replay([*tok.encode("no"), tok.eos_token_ids[0]])
+    assert done.terminated
+    assert step_bitmask([None, done], VOCAB) is None  # a terminated grammar masks nothing
+
+    digits = grammar(setup, regex="[0-9]{2}")
+    bitmask, rows = step_bitmask([None, digits, None], VOCAB)
+    assert rows == [1]
+    assert bitmask.shape == (3, math.ceil(VOCAB / 32)) and bitmask.dtype == torch.int32
+    assert bool((bitmask[0] == -1).all()) and bool((bitmask[2] == -1).all())
+    ok = allowed(bitmask, 1)
+    assert ok and all(tok.decode([t]).isdigit() for t in ok)
+    assert set(tok.encode("7")) <= ok and not (set(tok.encode("a")) & ok)
+
+
+def test_apply_bitmask_masks_exactly_the_disallowed_tokens_of_listed_rows(setup):
+    digits = grammar(setup, regex="[0-9]{2}")
+    bitmask, rows = step_bitmask([None, digits], VOCAB)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    masked = logits.clone()
+    apply_bitmask(masked, bitmask, rows)
+    assert torch.equal(masked[0], logits[0])  # the unconstrained row is untouched
+    ok = torch.zeros(VOCAB, dtype=torch.bool)
+    ok[sorted(allowed(bitmask, 1))] = True
+    assert torch.equal(masked[1][ok], logits[1][ok])
+    assert bool(torch.isneginf(masked[1][~ok]).all())
