@@ -278,6 +278,9 @@ class LLMEngine:
             req.sent_text_len, req.sent_tokens = first.sent_text_len, 1
             if not req.is_finished:
                 live.append(req.request_id)
+        if not live:  # every choice ended at its first token (a stop, or one its grammar refused)
+            parent = self._parents.pop(rid)
+            self._pending.append(self._make_output(parent, final=True))
         return live
 
     def requests_of(self, request_id: str) -> list[Request]:

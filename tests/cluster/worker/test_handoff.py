@@ -2,7 +2,9 @@
 of reaching into the engine: ``hand_over`` ends a prefill engine's choices after their first
 token (counted as ``handed_over``, not as aborts, with every block freed) and
 ``add_prefilled`` continues them in another engine exactly as the colocated engine would
-(greedy; seeded n > 1 with logprobs; a choice that stopped at its first token)."""
+(greedy; seeded n > 1 with logprobs; a choice that stopped at its first token; structured-output
+constraints, whose matchers the decode engine rebuilds from the first token; a first token the
+grammar refuses ends the request, which then leaves the engine)."""
 
 from __future__ import annotations
 
@@ -99,3 +101,48 @@ def test_add_prefilled_checks_and_a_choice_that_stopped_at_its_first_token(engin
     assert len(out.outputs[1].token_ids) == 4 and out.outputs[1].token_ids[0] == 78
     assert decode.hand_over("unknown") is False
     decode.check_integrity()
+
+
+CONSTRAINED = [
+    SamplingParams(
+        temperature=1.0,
+        seed=5,
+        n=2,
+        logprobs=2,
+        max_tokens=60,
+        structured_outputs={"json": {"type": "object", "properties": {"n": {"type": "integer"}}}},
+    ),
+    SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"regex": "[a-z]{4} [0-9]"}),
+    SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"choice": ["one", "two"]}),
+]
+
+
+@pytest.mark.parametrize("params", CONSTRAINED, ids=["json-seeded-n2", "regex", "choice"])
+def test_constrained_hand_over_equals_colocated(engines, params):
+    # The decode engine has no KV connector: it recomputes the prompt, as a decode worker does
+    # when a KV load fails. Its matcher is built fresh and fed the first token (add_prefilled's
+    # append), and must allow exactly what the colocated engine's did.
+    prefill, decode = engines
+    want = run_all(make_engine(), [PROMPT], params)[0]
+    rid = f"so-{params.structured_outputs.kind}"
+    firsts = first_tokens(prefill, rid, params)
+    decode.add_prefilled(PROMPT, params, rid, firsts)
+    reqs = decode.requests_of(rid)
+    assert (
+        all(r.grammar is not None for r in reqs) and len({id(r.grammar) for r in reqs}) == params.n
+    )
+    got = finish(decode, rid)
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
+    assert {c.finish_reason for c in got.outputs} == {"stop"}
+    decode.check_integrity()
+
+
+def test_a_first_token_the_grammar_refuses_aborts_the_choice(engines):
+    _, decode = engines
+    params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"choice": ["a"]})
+    bad = decode.tokenizer.encode("zebra")[0]
+    assert decode.add_prefilled(PROMPT, params, "refused", [FirstToken(bad)]) == []
+    out = finish(decode, "refused")
+    assert out.outputs[0].finish_reason == "abort"
+    assert decode.kv.pool.counts().used == 0
