@@ -6,6 +6,7 @@ fails transfers that are corrupt, incomplete, duplicated or late."""
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -211,6 +212,41 @@ def test_corrupt_layer_follows_policy(expected, policy):
         while pair.arena.used and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pair.arena.used == 0
+        pair.d_engine.check_integrity()
+    finally:
+        pair.close()
+
+
+def test_constrained_request_streamed_and_recomputed_equals_colocated():
+    """A seeded JSON-schema request (n=2): its first tokens are sampled on the prefill side under
+    the grammar, the decode side builds its own matchers and feeds them those tokens. Once with
+    the KV streamed, once with a corrupt layer, so that the decode side recomputes the prompt:
+    both give the colocated tokens, and the output still validates."""
+    small = {"type": "integer", "minimum": 0, "maximum": 99}
+    schema = {"type": "object", "properties": {"n": small, "ok": {"type": "boolean"}}}
+    params = SamplingParams(
+        temperature=1.0, seed=9, n=2, logprobs=1, max_tokens=40, structured_outputs={"json": schema}
+    )
+    prompt = PROMPT[:40]
+    want = colocated(params, prompt)
+    pair = Pair("shm")
+    try:
+        assert pair.run("streamed", prompt, params) == want
+        assert pair.d_engine.metrics.computed_prompt_tokens == 0
+        orig = pair.receiver._take_layer
+
+        def take(t, msg):
+            if msg.layer == 3:
+                pair.arena.buf[t.offset + t.layout.run(3, 0, 0, 1)[0]] ^= 0xFF
+            return orig(t, msg)
+
+        pair.receiver._take_layer = take
+        assert pair.run("recomputed", prompt, params) == want
+        (failed,) = [x for x in pair.router if isinstance(x, m.TransferFailed)]
+        # Recomputed here (the blocks its prefix cache kept from the first run aside).
+        assert failed.recompute and pair.d_engine.metrics.computed_prompt_tokens > 0
+        for text in want[1]:
+            assert set(json.loads(text)) <= {"n", "ok"}
         pair.d_engine.check_integrity()
     finally:
         pair.close()
