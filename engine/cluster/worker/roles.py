@@ -23,6 +23,7 @@ from engine.kv_connector.sender import KVSender, SendTarget
 from engine.kv_connector.staging import KVLayout
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.compiler import GrammarBusyError
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class PrefillRole:
             self.engine.add_request(msg.prompt_token_ids, params, request_id=rid)
         except QueueFullError as exc:
             self.emit(m.RequestError(rid, self.worker_id, 429, str(exc)))
+            return
+        except GrammarBusyError as exc:  # too many structured-output compiles in flight
+            self.emit(m.RequestError(rid, self.worker_id, 503, str(exc)))
             return
         except (ValueError, TypeError) as exc:
             self.emit(m.RequestError(rid, self.worker_id, 400, str(exc)))
@@ -90,19 +94,24 @@ class PrefillRole:
         """Capture first tokens; hand over the requests whose every choice has one."""
         del outputs  # the prefill side streams nothing itself; the requests' state is read
         for rid, p in list(self.active.items()):
+            captured = False
             for i, req in enumerate(p.children):
                 if i in p.captured:
                     continue
                 if req.num_output_tokens >= 1:
                     p.captured[i] = capture(i, req)
                     p.num_cached_tokens = max(p.num_cached_tokens, req.metrics.num_cached_tokens)
-                    # Its KV left already: it must not decode on here.
-                    self.engine.hand_over(rid)
+                    captured = True
                 elif req.is_finished:  # aborted or failed before a token: give up
                     self.abort(rid)
                     self.emit(m.RequestError(rid, self.worker_id, 500, "prefill failed"))
                     break
             else:
+                # Their KV left already: they must not decode on here. Only once every choice
+                # that has its first token is captured: hand_over ends them all, and a choice
+                # captured after it would carry the finish reason "handed_over" to the client.
+                if captured:
+                    self.engine.hand_over(rid)
                 if len(p.captured) == len(p.children):
                     self._hand_over(p)
 
@@ -197,6 +206,13 @@ class DecodeRole:
             return
         self.expected[rid] = _Expected(list(msg.prompt_token_ids), params)
         self.emit(m.DecodeReady(rid, t.offset, t.layout.nbytes))
+        if params.structured_outputs is not None:
+            # Compile while the prefill runs: admission then finds it cached (a failure or a
+            # busy pool shows there, where admission compiles again).
+            try:
+                self.engine.grammar_compiler.submit(params.structured_outputs)
+            except GrammarBusyError:
+                pass
 
     def first_tokens(self, msg: m.FirstTokens) -> None:
         exp = self.expected.get(msg.request_id)
