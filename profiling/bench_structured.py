@@ -1,0 +1,238 @@
+"""Structured outputs: what a JSON-schema constraint costs a decode step, and what compiling costs.
+
+    .venv/bin/python profiling/bench_structured.py                  # batch 16, 3 rounds
+    .venv/bin/python profiling/bench_structured.py --batch 16 --rounds 5 --temperature 1
+
+(a) Time per output token of a batch of ``--batch`` requests, each constrained by one of the
+schemas below (in turn), against the same batch unconstrained. The constrained arm runs first in
+each round and stops where each grammar ends; the unconstrained arm then runs the same prompts
+with ``ignore_eos`` and each request's ``max_tokens`` set to the length its constrained twin
+reached, so both arms run the same steps over the same batch sizes. Only decode steps count (the
+steps after every request has its first token): per-token time is their wall time over the
+tokens they produced. The arms alternate, round by round, so that a shared machine's drift hits
+both alike; the ratio is of the medians over rounds. The "sample" column is the engine's sampling
+time per step (engine.step_times.sample): for the constrained arm it holds building the bitmask
+and masking the logits.
+(b) Compile time of each schema: cold (the compiler's first sight of it) and cached (a repeat),
+in ms, on the compiler's pool (engine/structured/compiler.py: COMPILE_THREADS threads), and the
+one-time cost of describing the tokenizer to xgrammar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+SCHEMAS = {
+    "optional-fields": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "maxLength": 24},
+        },
+        "required": ["name", "age"],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 16},
+            "author": {
+                "type": "object",
+                "properties": {
+                    "first": {"type": "string", "maxLength": 10},
+                    "last": {"type": "string", "maxLength": 10},
+                },
+                "required": ["first", "last"],
+            },
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+        },
+        "required": ["title", "author", "year"],
+    },
+    "arrays-enums": {
+        "type": "object",
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "scores": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 10},
+                "maxItems": 4,
+            },
+        },
+        "required": ["tags", "scores"],
+    },
+    "anyof-number": {
+        "type": "object",
+        "properties": {
+            "value": {
+                "anyOf": [
+                    {"type": "integer", "minimum": -5, "maximum": 5},
+                    {"type": "string", "maxLength": 8},
+                    {"type": "boolean"},
+                ]
+            },
+            "price": {"type": "number", "minimum": 0, "maximum": 100},
+        },
+        "required": ["value", "price"],
+    },
+}
+TOPICS = ["a novel", "a city", "a planet", "a song", "a chemist", "a river", "a bridge", "a king"]
+
+
+def prompts(tok, n: int) -> list[list[int]]:
+    return [
+        tok.encode(f"Reply with one JSON object only. Request {i}: describe {TOPICS[i % 8]}.")
+        for i in range(n)
+    ]
+
+
+def run_batch(engine, prompts, params) -> tuple[float, int, int, float, list[int]]:
+    """(decode wall s, decode tokens, decode steps, sampling s in them, output lengths)."""
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    started: set[str] = set()
+    lengths: dict[str, int] = {}
+    wall, tokens, steps, sample = 0.0, 0, 0, 0.0
+    while engine.has_unfinished_requests():
+        decoding = len(started) == len(rids)
+        before = engine.step_times.sample
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        new = 0
+        for o in outs:
+            c = o.outputs[0]
+            new += len(c.new_token_ids)
+            if c.token_ids:
+                started.add(o.request_id)
+            if o.finished:
+                lengths[o.request_id] = len(c.token_ids)
+        if decoding and new:
+            wall, tokens, steps = wall + dt, tokens + new, steps + 1
+            sample += engine.step_times.sample - before
+    return wall, tokens, steps, sample, [lengths[r] for r in rids]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=96, help="enough for every schema")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of both arms")
+    ap.add_argument("--temperature", type=float, default=0.0, help="seeded when above 0")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+
+    import torch
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.core.llm_engine import LLMEngine
+    from engine.cpu_isa import this_cpu
+    from engine.sampling_params import SamplingParams
+    from engine.structured.compiler import COMPILE_THREADS, GrammarCompiler
+    from engine.structured.params import StructuredOutputs
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(this_cpu().describe(), flush=True)
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device="cpu",
+            cache=CacheConfig(num_blocks=1024, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=args.batch),
+        )
+    )
+    tok, vocab = engine.tokenizer, engine.model_config.vocab_size
+    print(f"model {args.model} {args.dtype}, torch threads {torch.get_num_threads()}")
+
+    # (b) compile times, on a compiler of their own (the engine's stays cold for nothing).
+    t0 = time.perf_counter()
+    compiler = GrammarCompiler(tok, vocab)
+    info_ms = (time.perf_counter() - t0) * 1e3
+    print(
+        f"\ncompiles: {COMPILE_THREADS} pool threads; tokenizer description {info_ms:.0f} ms once"
+    )
+    print("| schema | cold ms | cached ms |\n| --- | --- | --- |")
+    for name, schema in SCHEMAS.items():
+        so = StructuredOutputs(json=schema)
+        t0 = time.perf_counter()
+        compiler.compile(so)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compiler.compile(so)
+        cached = time.perf_counter() - t0
+        print(f"| {name} | {cold * 1e3:.2f} | {cached * 1e3:.3f} |")
+    compiler.close()
+
+    # (a) time per output token, constrained against unconstrained.
+    ps = prompts(tok, args.batch)
+    schemas = list(SCHEMAS.values())
+    seeded = args.temperature > 0
+
+    def params(i: int, max_tokens: int, **kw) -> SamplingParams:
+        seed = i if seeded else None
+        return SamplingParams(temperature=args.temperature, seed=seed, max_tokens=max_tokens, **kw)
+
+    constrained = [
+        params(i, max_tokens=args.max_tokens, structured_outputs={"json": schemas[i % 4]})
+        for i in range(args.batch)
+    ]
+    run_batch(engine, ps[:2], constrained[:2])  # warm-up: compiles, first steps
+    arms: dict[str, list[tuple[float, int, int, float]]] = {"constrained": [], "unconstrained": []}
+    for _ in range(args.rounds):
+        wall, n, steps, sample, lengths = run_batch(engine, ps, constrained)
+        arms["constrained"].append((wall, n, steps, sample))
+        free = [params(i, max_tokens=lengths[i], ignore_eos=True) for i in range(args.batch)]
+        wall, n, steps, sample, _ = run_batch(engine, ps, free)
+        arms["unconstrained"].append((wall, n, steps, sample))
+    finished_ok = sum(run_check(engine, ps, constrained))
+    print(
+        f"\n{args.batch} requests (the {len(SCHEMAS)} schemas in turn), "
+        f"{'seeded temperature ' + str(args.temperature) if seeded else 'greedy'}, "
+        f"{args.rounds} alternating rounds; decode steps only"
+    )
+    print("| arm | ms/token (median) | per round | decode steps | tokens | sample ms/step |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    med = {}
+    for arm, rows in arms.items():
+        per_token = [1e3 * w / n for w, n, _, _ in rows]
+        med[arm] = statistics.median(per_token)
+        w, n, steps, sample = rows[-1]
+        print(
+            f"| {arm} | {med[arm]:.3f} | {' '.join(f'{x:.3f}' for x in per_token)} | {steps} "
+            f"| {n} | {1e3 * sample / max(1, steps):.2f} |"
+        )
+    print(f"\nconstrained outputs that parse as JSON: {finished_ok}/{args.batch}")
+    ratio = med["constrained"] / med["unconstrained"]
+    print(f"time per output token, constrained / unconstrained: {ratio:.3f}x (target <= 1.10x)")
+    engine.close()
+
+
+def run_check(engine, prompts, params) -> list[bool]:
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    final = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o.outputs[0]
+    out = []
+    for r in rids:
+        try:
+            json.loads(final[r].text)
+            out.append(final[r].finish_reason == "stop")
+        except ValueError:
+            out.append(False)
+    return out
+
+
+if __name__ == "__main__":
+    main()
