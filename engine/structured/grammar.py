@@ -9,6 +9,9 @@ worker's first token) builds a matcher and feeds it the tokens so far (``Sequenc
 
 from __future__ import annotations
 
+import functools
+import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -58,9 +61,30 @@ def step_bitmask(
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set the logits of the tokens a row's grammar does not allow to -inf, in place, on the
-    listed rows only (float32 [rows, vocab] on the CPU or a GPU; xgrammar picks the kernel)."""
-    import xgrammar as xgr
+    listed rows only (float32 [rows, vocab]). On a GPU xgrammar's kernel does it. On the CPU the
+    rows' bits become a bool mask through a byte table and one ``masked_fill_``: xgrammar's CPU
+    kernel writes each disallowed token in turn, ~0.2 ms a row where a grammar allows few tokens
+    (most JSON states), the table ~0.03 ms (a batch of 16 JSON rows: 2.0 against 0.4 ms a step)."""
+    if logits.device.type != "cpu" or sys.byteorder != "little":
+        import xgrammar as xgr
 
-    if bitmask.device != logits.device:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+        if bitmask.device != logits.device:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+        return
+    everyone = rows == list(range(logits.shape[0])) and bitmask.shape[0] == len(rows)
+    words = bitmask if everyone else bitmask.index_select(0, torch.tensor(rows))
+    flat = words.contiguous().view(torch.uint8).view(-1).int()  # little-endian: token order
+    banned = _banned_bits().index_select(0, flat).view(len(rows), -1)[:, : logits.shape[1]]
+    if everyone:
+        logits.masked_fill_(banned, -math.inf)
+    else:
+        for j, i in enumerate(rows):
+            logits[i].masked_fill_(banned[j], -math.inf)
+
+
+@functools.cache
+def _banned_bits() -> torch.Tensor:
+    """[256, 8] bool: entry (b, i) is True where bit i of byte b is clear."""
+    byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+    return (byte >> torch.arange(8, dtype=torch.int32)) & 1 == 0

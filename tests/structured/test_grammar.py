@@ -1,7 +1,8 @@
 """SequenceGrammar and a step's bitmask on the default model's tokenizer: a matcher accepts what
 its grammar allows and refuses the rest unchanged, replays a sequence's tokens, terminates on the
 stop token; ``step_bitmask`` is None without a live grammar and all ones on unconstrained rows;
-``apply_bitmask`` sets exactly the disallowed logits of the listed rows to -inf."""
+``apply_bitmask`` sets exactly the disallowed logits of the listed rows to -inf, as xgrammar's own
+kernel does."""
 
 from __future__ import annotations
 
@@ -87,3 +88,19 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens_of_listed_rows(setup)
     ok[sorted(allowed(bitmask, 1))] = True
     assert torch.equal(masked[1][ok], logits[1][ok])
     assert bool(torch.isneginf(masked[1][~ok]).all())
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2]])
+def test_apply_bitmask_equals_xgrammars_kernel(rows):
+    import xgrammar as xgr
+
+    g = torch.Generator().manual_seed(len(rows))
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, math.ceil(VOCAB / 32)), generator=g)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[0, :100] = 0  # a row that allows almost nothing there
+    logits = torch.randn(4, VOCAB, generator=g)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_bitmask(ours, bitmask, rows)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=VOCAB, indices=rows)
+    assert torch.equal(ours, theirs)
+    assert bool(torch.isneginf(ours[rows]).any())
