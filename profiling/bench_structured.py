@@ -2,6 +2,7 @@
 
     .venv/bin/python profiling/bench_structured.py                  # batch 16, 3 rounds
     .venv/bin/python profiling/bench_structured.py --batch 16 --rounds 5 --temperature 1
+    .venv/bin/python profiling/bench_structured.py --serve        # (c) TTFT under schema churn
 
 (a) Time per output token of a batch of ``--batch`` requests, each constrained by one of the
 schemas below (in turn), against the same batch unconstrained. The constrained arm runs first in
@@ -17,13 +18,23 @@ and masking the logits.
 (b) Compile time of each schema: cold (the compiler's first sight of it) and cached (a repeat),
 in ms, on the compiler's pool (engine/structured/compiler.py: COMPILE_THREADS threads), and the
 one-time cost of describing the tokenizer to xgrammar.
+(c) With ``--serve``: ``engine serve`` in a subprocess; the TTFT of unconstrained streamed
+completions sent at ``--probe-rate`` a second, quiet and then while another client sends a request
+with a new JSON schema every 100 ms (``structured_outputs`` in the body, vLLM's extra field; each
+schema differs, so each compiles). Reports TTFT p50/p99 of both phases and the p99 ratio (target
+<= 1.5x), and the churn requests' status codes. Not yet run against a server that serves
+``structured_outputs`` (the HTTP surface is another change): until then they count as 400s.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 SCHEMAS = {
@@ -129,7 +140,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of both arms")
     ap.add_argument("--temperature", type=float, default=0.0, help="seeded when above 0")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--serve", action="store_true", help="(c) only: TTFT under schema churn")
+    ap.add_argument("--seconds", type=float, default=20.0, help="(c): each phase's length")
+    ap.add_argument("--probe-rate", type=float, default=4.0, help="(c): probes a second")
     args = ap.parse_args()
+    if args.serve:
+        serve_bench(args)
+        return
 
     import torch
 
@@ -224,6 +241,82 @@ def main() -> None:
         f"{statistics.median(pairs):.3f}x (median of the rounds' ratios); target <= 1.10x"
     )
     engine.close()
+
+
+async def probe(url: str, seconds: float, rate: float, churn: bool) -> tuple[list[float], dict]:
+    """TTFTs of unconstrained streamed completions; with ``churn``, a new schema every 100 ms."""
+    import httpx
+
+    ttfts: list[float] = []
+    codes: collections.Counter = collections.Counter()
+    body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 4}
+
+    async def one(client) -> None:
+        t0 = time.perf_counter()
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ttfts.append(time.perf_counter() - t0)
+                    break
+
+    async def constrained(client, i: int) -> None:
+        schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"}}}
+        extra = {"structured_outputs": {"json": schema}}
+        r = await client.post("/v1/completions", json={**body, "max_tokens": 16, **extra})
+        codes[r.status_code] += 1
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        tasks, end, i, next_probe = [], time.monotonic() + seconds, 0, 0.0
+        while (now := time.monotonic()) < end:
+            if now >= next_probe:
+                tasks.append(asyncio.ensure_future(one(client)))
+                next_probe = now + 1.0 / rate
+            if churn:
+                tasks.append(asyncio.ensure_future(constrained(client, i)))
+                i += 1
+            await asyncio.sleep(0.1 if churn else 1.0 / rate)
+        await asyncio.gather(*tasks)
+    return ttfts, dict(codes)
+
+
+def serve_bench(args) -> None:
+    import httpx
+
+    from engine.ipc.ports import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "engine", "serve", "--model", args.model, "--dtype", args.dtype]
+    cmd += ["--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"engine serve did not become healthy: {' '.join(cmd)}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        asyncio.run(probe(url, 2.0, args.probe_rate, False))  # warm-up
+        phases = {}
+        for name, churn in (("quiet", False), ("schema churn", True)):
+            phases[name] = asyncio.run(probe(url, args.seconds, args.probe_rate, churn))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print(f"\nunconstrained TTFT, {args.probe_rate:g} probes/s for {args.seconds:g} s a phase")
+    print("| phase | probes | TTFT p50 ms | TTFT p99 ms | churn status codes |")
+    print("| --- | --- | --- | --- | --- |")
+    p99 = {}
+    for name, (ttfts, codes) in phases.items():
+        xs = sorted(ttfts)
+        p99[name] = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+        p50 = statistics.median(xs)
+        print(f"| {name} | {len(xs)} | {1e3 * p50:.1f} | {1e3 * p99[name]:.1f} | {codes or '-'} |")
+    ratio = p99["schema churn"] / p99["quiet"]
+    print(f"TTFT p99, schema churn / quiet: {ratio:.2f}x (target <= 1.5x)")
 
 
 def run_check(engine, prompts, params) -> list[bool]:
