@@ -85,7 +85,9 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.max_pending = max_pending
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "grammar-compile")
-        self._lock = threading.Lock()
+        # Reentrant: a compile that ends before ``submit`` adds its callback (a fast failure)
+        # runs ``_done`` at once, in ``submit``, under the lock.
+        self._lock = threading.RLock()
         self._cache: OrderedDict[StructuredOutputs, concurrent.futures.Future] = OrderedDict()
         self._pending = 0
         self.compiles = 0  # compiles run (cache misses)

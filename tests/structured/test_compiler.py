@@ -1,12 +1,14 @@
 """GrammarCompiler against the default model's tokenizer: a repeat is a cache hit, concurrent
 requests for one constraint share one compile, compiles run on the pool's threads, a constraint
 xgrammar refuses is a ValueError naming the field (and is not cached), a compile past the deadline
-is a ValueError, too many compiles in flight is GrammarBusyError, and the cache is a bounded LRU.
+is a ValueError, too many compiles in flight is GrammarBusyError, the cache is a bounded LRU, and
+a compile that ends before ``submit`` returns does not deadlock it.
 Slow compiles are faked by replacing ``_compile_now`` on the instance with one that waits."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 
 import pytest
@@ -173,3 +175,37 @@ def test_compile_async_awaits_the_pool(make):
 
     compiled, ticks = asyncio.run(main())
     assert compiled is c.compile(C) and ticks >= 1
+
+
+class InlinePool:
+    """A pool whose compiles have ended by the time ``submit`` returns (as a fast one can)."""
+
+    def submit(self, fn, *args):
+        fut = concurrent.futures.Future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
+
+    def shutdown(self, **kw):
+        pass
+
+
+@pytest.mark.parametrize("so", [A, StructuredOutputs(regex="(ab")], ids=["ok", "fails"])
+def test_a_compile_done_before_its_callback_is_added_does_not_deadlock(make, so):
+    c = make()
+    c._pool = InlinePool()
+    results = []
+
+    def go():
+        try:
+            results.append(c.compile(so))
+        except ValueError as exc:
+            results.append(exc)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "submit deadlocked on its own lock"
+    assert len(results) == 1 and c._pending == 0
