@@ -292,16 +292,25 @@ def test_unconstrained_neighbour_unchanged(engine, prompt):
 
 
 def test_a_batch_without_constraints_never_builds_a_bitmask(engine, prompt, monkeypatch):
-    calls = []
-    real = llm_engine_module.step_bitmask
+    calls, batches = [], []
+    real, sampler = llm_engine_module.step_bitmask, engine.sampler
 
     def spy(grammars, vocab_size):
         calls.append(len(grammars))
         return real(grammars, vocab_size)
 
+    def sample(logits, batch):
+        batches.append(batch)
+        return sampler(logits, batch)
+
     monkeypatch.setattr(llm_engine_module, "step_bitmask", spy)
+    monkeypatch.setattr(engine, "sampler", sample)
     seeded = SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
     run(engine, [prompt, prompt], [UNCONSTRAINED, seeded])
-    assert calls == []
+    assert calls == [] and all(b.bitmask is None for b in batches)
+    batches.clear()
+    run(engine, [prompt, prompt], UNCONSTRAINED)
+    assert batches and all(b.fast_greedy for b in batches)  # one argmax, as before
     run(engine, [prompt], constrained(GREEDY, choice=["a", "b"]))
     assert calls  # the spy sees constrained steps
+    assert batches[-1].bitmask is not None and not batches[-1].fast_greedy
