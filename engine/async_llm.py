@@ -157,6 +157,21 @@ class AsyncLLM:
             if not finished:
                 self._abort_now(rid)
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the params' structured-output constraint, if any, on the compiler's pool
+        (never on the caller's event loop), so that the engine loop finds it cached when it
+        adds the request: a miss there would compile on the loop thread and hold up every
+        request's next step. The servers await it before ``generate``. Raises ValueError naming
+        the field (invalid, or not compiled within the compiler's deadline) and GrammarBusyError
+        (too many compiles pending: retry later)."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        compiler = self.engine._grammar_compiler
+        if compiler is None:  # the first: xgrammar loads, the vocabulary is read (~1 s)
+            compiler = await asyncio.to_thread(lambda: self.engine.grammar_compiler)
+        await compiler.compile_async(so)
+
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -149,6 +150,7 @@ class LLMEngine:
         self._token_texts: dict[int, str] = {}
         self.layer_hook: LayerHook | None = None
         self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_compiler_lock = threading.Lock()  # the servers' threads make it too
         self.num_steps = 0
         self.step_times = StepTimes()
 
@@ -174,11 +176,16 @@ class LLMEngine:
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         """Compiles structured-output constraints against this engine's tokenizer (made on first
-        use: an engine that never sees a constraint never loads xgrammar)."""
+        use: an engine that never sees a constraint never loads xgrammar). Thread-safe: the
+        servers compile on it from their own threads before the loop thread adds the request."""
         if self._grammar_compiler is None:
-            from engine.structured.compiler import GrammarCompiler
+            with self._grammar_compiler_lock:
+                if self._grammar_compiler is None:
+                    from engine.structured.compiler import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+                    self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer, self.model_config.vocab_size
+                    )
         return self._grammar_compiler
 
     # -- requests ---------------------------------------------------------------------------

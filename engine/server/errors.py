@@ -8,6 +8,7 @@ import re
 
 from engine.async_llm import EngineDeadError, EngineShuttingDownError
 from engine.core.scheduler import QueueFullError
+from engine.structured.compiler import GrammarBusyError
 
 logger = logging.getLogger("engine.server")
 
@@ -31,7 +32,7 @@ KNOWN_PARAMS = frozenset(
     (
         "prompt n temperature top_p top_k min_p repetition_penalty presence_penalty "
         "frequency_penalty seed max_tokens min_tokens stop stop_token_ids logprobs prompt_logprobs "
-        "request_id "
+        "request_id structured_outputs "
         "messages model params timeout cache_salt tokens"
     ).split()
 )
@@ -92,6 +93,10 @@ def to_api_error(exc: BaseException, aliases: dict[str, str] | None = None) -> A
     if isinstance(exc, EngineShuttingDownError):
         err = APIError(503, str(exc) or "the server is shutting down")
         err.reason = "shutting_down"
+        return err
+    if isinstance(exc, GrammarBusyError):  # too many constraints compiling: retry later
+        err = APIError(503, str(exc), "structured_outputs", {"Retry-After": str(RETRY_AFTER_S)})
+        err.reason = "grammar_busy"
         return err
     if isinstance(exc, EngineDeadError):
         err = APIError(503, str(exc))

@@ -39,6 +39,7 @@ from engine.server.openai_serving import OpenAIServing
 from engine.server.prometheus import EngineCollector, Rejections, make_registry, render
 from engine.server.streams import RequestStreams
 from engine.server.tokenize_pool import Offloader
+from engine.structured.compiler import GrammarBusyError
 
 logger = logging.getLogger("engine.server")
 
@@ -148,7 +149,13 @@ def build_app(
             err = to_api_error(exc, aliases)
             logger.warning("%s: %d: %s", request.url.path, err.status, exc)
             raise err from exc
-        except (ValueError, TypeError, QueueFullError, EngineShuttingDownError) as exc:
+        except (
+            ValueError,
+            TypeError,
+            QueueFullError,
+            EngineShuttingDownError,
+            GrammarBusyError,
+        ) as exc:
             raise to_api_error(exc, aliases) from exc
 
     generation_docs = dict(

@@ -16,6 +16,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError
+from engine.server.openai_structured import StructuredFields
 from engine.structured.tools import MAX_TOOLS, TOOL_NAME, Tool, ToolRequest
 
 MAX_N = 128  # choices per prompt, as OpenAI caps n
@@ -32,15 +33,12 @@ class _Strict(BaseModel):
 # what was asked) is the worst answer. A value that asks for nothing (None, tool_choice "none",
 # an empty tools list) is accepted. They are left out of the OpenAPI document.
 _UNSUPPORTED = (
-    "tools functions function_call tool_choice parallel_tool_calls response_format "
-    "guided_json guided_choice guided_regex guided_grammar guided_decoding_backend "
-    "guided_whitespace_pattern structured_outputs grammar json_schema"
+    "tools functions function_call tool_choice parallel_tool_calls grammar json_schema"
 ).split()
 _NO_OPS: dict[str, tuple] = {
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
 }
 
 
@@ -58,8 +56,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _SamplingRequest(_Strict, StructuredFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (the structured-output ones:
+    openai_structured.py)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -89,14 +88,6 @@ class _SamplingRequest(_Strict):
     function_call: SkipJsonSchema[Any] = None
     tool_choice: SkipJsonSchema[Any] = None
     parallel_tool_calls: SkipJsonSchema[Any] = None
-    response_format: SkipJsonSchema[Any] = None
-    guided_json: SkipJsonSchema[Any] = None
-    guided_choice: SkipJsonSchema[Any] = None
-    guided_regex: SkipJsonSchema[Any] = None
-    guided_grammar: SkipJsonSchema[Any] = None
-    guided_decoding_backend: SkipJsonSchema[Any] = None
-    guided_whitespace_pattern: SkipJsonSchema[Any] = None
-    structured_outputs: SkipJsonSchema[Any] = None
     grammar: SkipJsonSchema[Any] = None
     json_schema: SkipJsonSchema[Any] = None
     # vLLM's extension: logprobs of the prompt's tokens, and this many alternatives per token.
@@ -132,6 +123,7 @@ class _SamplingRequest(_Strict):
             if getattr(self, name) is not None
         }
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        structured_outputs, _ = self.structured_outputs_constraint()
         return SamplingParams(
             n=self.n,
             seed=self.seed,
@@ -144,6 +136,7 @@ class _SamplingRequest(_Strict):
             prompt_logprobs=self.prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs,
             **given,
         )
 

@@ -26,6 +26,7 @@ from engine.server.openai_protocol import (
     ChatMessage,
     CompletionRequest,
 )
+from engine.server.openai_structured import in_field
 from engine.server.streams import RequestStreams
 from engine.server.tokenize_pool import check_prompt_chars
 from engine.server.tool_calls import ToolCallStream, calls_json, finish_reason, parse_reply
@@ -59,6 +60,7 @@ class Job:
     prompt_logprobs: bool = False  # vLLM's: per choice (completions) or per response (chat)
     cache_salt: str | None = None
     tools: ToolRequest | None = None  # chat with tools offered: replies are parsed for calls
+    constraint_field: str | None = None  # the request field that asked for structured outputs
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -114,6 +116,7 @@ class OpenAIServing:
             echo=echo,
             prompt_logprobs=req.prompt_logprobs is not None,
             cache_salt=req.cache_salt,
+            constraint_field=req.constraint_field,
         )
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
@@ -143,6 +146,7 @@ class OpenAIServing:
             prompt_logprobs=req.prompt_logprobs is not None,
             cache_salt=req.cache_salt,
             tools=tools,
+            constraint_field=req.constraint_field or (None if tools is None else "tools"),
         )
 
     def _tool_constraint(self, params: SamplingParams, tools: ToolRequest) -> SamplingParams:
@@ -193,9 +197,21 @@ class OpenAIServing:
                 f"({cap}, --max-pending); send fewer per request",
                 "prompt",
             )
+        if job.params.structured_outputs is not None:
+            await self.compile_grammar(job)
         return await RequestStreams.start(
             self.llm, job.prompts, job.params, request_id or job.id, job.cache_salt
         )
+
+    async def compile_grammar(self, job: Job) -> None:
+        """Compile the job's constraint off the event loop before the engine sees it (the
+        engine then finds it cached); a 400 naming the field the client sent when it does not
+        compile, or not within the compiler's deadline."""
+        try:
+            await self.llm.compile_grammar(job.params)
+        except ValueError as exc:
+            field = job.constraint_field
+            raise APIError(400, in_field(str(exc), field), field) from None
 
     # -- whole responses ------------------------------------------------------------------------
 

@@ -3,6 +3,19 @@
 deadline on every wait.
 
 The protocol, and its messages, are in engine/server/rpc_messages.py.
+
+Parameters are ``SamplingParams`` fields, given as a SamplingParams, a map, or keywords. A
+structured-output constraint is its ``structured_outputs`` field: a ``StructuredOutputs``
+(engine/structured/params.py) or a map of its fields, exactly one of ``json`` (a JSON schema, as
+a map or JSON text), ``json_object``, ``regex``, ``choice`` (a list of strings) or ``grammar``
+(GBNF or Lark), and optionally ``disable_any_whitespace``::
+
+    client.generate("A user as JSON:", max_tokens=64, temperature=0,
+                    structured_outputs={"json": {"type": "object", ...}})
+
+The server compiles it off its event loop before the engine sees it; an invalid constraint, one
+over a size cap or one that does not compile within the deadline is an ``RPCError`` with code
+400 and ``param`` "structured_outputs"; code 503 when too many compiles are pending.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from engine.ipc.wire import params_to_wire
 from engine.sampling_params import SamplingParams
 from engine.server import rpc_messages as r
 from engine.server.rpc_messages import MAX_MESSAGE_BYTES, OPS  # noqa: F401
+from engine.structured.params import StructuredOutputs
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_S = 120.0
@@ -127,6 +141,9 @@ def params_dict(params=None, **kwargs) -> dict:
         else:
             out = dict(params)
     out.update(kwargs)
+    so = out.get("structured_outputs")
+    if isinstance(so, StructuredOutputs):
+        out["structured_outputs"] = so.to_dict()
     return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 

@@ -250,6 +250,8 @@ class RPCServer:
                     len(prompt), self.llm.tokenizer, self.llm.max_model_len, "prompt"
                 )
                 prompt = await self._offload(self.llm.tokenizer.encode, prompt)
+            if params.structured_outputs is not None:  # compiled off this loop, then cached
+                await self.llm.compile_grammar(params)
             gen = self.llm.generate(prompt, params, request_id=call.engine_id, cache_salt=salt)
             async with aclosing(gen):
                 async for out in gen:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from engine.async_llm import EngineShuttingDownError
 from engine.cluster import messages as m
@@ -32,6 +34,9 @@ from engine.kvstore.block_events import BlockEvent
 from engine.model.loader import open_checkpoint
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.compiler import GrammarCompiler
 
 __all__ = ["ClusterUnavailableError", "Router", "RouterConfig"]
 
@@ -57,6 +62,8 @@ class Router:
         self._phases = Phases(cfg, self._members, placement, self.stats, self._io.send)
         self._members.on_death = self._phases.worker_died
         self._requests = self._phases.requests  # the requests in flight, by the caller's id
+        self._grammar_compiler: GrammarCompiler | None = None  # made on the first constraint
+        self._grammar_lock = threading.Lock()
         self._io.start(self)
         self._thread = self._io.thread
 
@@ -122,6 +129,30 @@ class Router:
             if not finished:
                 self._io.command(("abort", rid))
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the params' structured-output constraint, if any, with the router's own
+        compiler (the same tokenizer as the workers'), off the event loop: a constraint that is
+        invalid, does not compile or not within the deadline is refused here (ValueError naming
+        the field; GrammarBusyError when too many compiles are pending) before any worker sees
+        it. The workers compile it again when they add the request (benign ones take ms)."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        compiler = self._grammar_compiler
+        if compiler is None:
+            compiler = await asyncio.to_thread(self._make_grammar_compiler)
+        await compiler.compile_async(so)
+
+    def _make_grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from engine.structured.compiler import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size
+                )
+            return self._grammar_compiler
+
     async def abort(self, request_id: str) -> None:
         self._io.command(("abort", request_id))
 
@@ -168,6 +199,8 @@ class Router:
     def close(self) -> None:
         """Stop the IO thread (idempotent); requests in flight fail with 503."""
         self._io.stop()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
 
     def wait_for_workers(
         self, prefill: int, decode: int, timeout: float, check: Callable[[], None] | None = None
