@@ -60,6 +60,28 @@ SAMPLING = {
     "stream_options": either(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "logit_bias": either(st.dictionaries(st.text(max_size=3), st.floats(-1, 1), max_size=2)),
     "best_of": either(st.integers(0, 3)),
+    "response_format": either(
+        st.sampled_from(
+            [
+                {"type": "text"},
+                {"type": "json_object"},
+                {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": [1, 2]}}},
+            ]
+        )
+    ),
+    "structured_outputs": either(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "regex": st.text(max_size=8),
+                "choice": st.lists(st.text(max_size=4), max_size=3),
+                "json": anything,
+                "grammar": st.text(max_size=12),
+                "disable_any_whitespace": st.booleans(),
+            },
+        )
+    ),
+    "guided_regex": either(st.text(max_size=8)),
 }
 prompts = st.text(max_size=40) | st.lists(st.integers(-5, 60000), max_size=8)
 completion_bodies = st.fixed_dictionaries(

@@ -25,6 +25,16 @@ def test_openapi_describes_bodies_and_errors(http):
     assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat)  # served
     assert "functions" not in chat  # refused, not offered
     assert "tools" not in schemas["CompletionRequest"]["properties"]
+    for body in ("ChatCompletionRequest", "CompletionRequest"):
+        assert {"response_format", "structured_outputs"} <= set(schemas[body]["properties"])
+    formats = {
+        ref["$ref"].rsplit("/", 1)[1] for ref in chat["response_format"]["anyOf"][0]["oneOf"]
+    }
+    assert formats == {"TextFormat", "JSONObjectFormat", "JSONSchemaFormat"}
+    assert "schema" in schemas["JSONSchemaSpec"]["properties"]
+    so = schemas["StructuredOutputsField"]["properties"]
+    assert {"json", "json_object", "regex", "choice", "grammar"} <= set(so)
+    assert "structural_tag" not in so  # refused, not offered
     gen = paths["/v1/completions"]["post"]["responses"]
     assert set(gen["200"]["content"]) == {"application/json", "text/event-stream"}
     assert {"404", "503"} <= set(gen)
