@@ -354,6 +354,14 @@ def compiler(llm):
     c.__dict__.pop("_compile_now", None)
 
 
+def test_the_engine_finds_the_constraint_compiled(http, compiler):
+    """The server compiles off its event loop first; the engine loop's add is a cache hit."""
+    compiles, hits = compiler.compiles, compiler.hits
+    r = _post_chat(http, guided_regex="[0-9]{2}-precompiled", temperature=0)
+    assert r.status_code == 200
+    assert (compiler.compiles, compiler.hits) == (compiles + 1, hits + 1)
+
+
 def test_compile_past_the_deadline_is_a_400(http, compiler):
     compiler.timeout = 0  # any compile that is not already done is past it
     r = _post_chat(http, guided_regex="[0-9]{2}-deadline")
