@@ -83,12 +83,12 @@ MAX_TOKENS = 100  # far above what any schema above can take compactly
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with httpx.Client(base_url=server.url, timeout=300) as c:
         yield c
 
 
@@ -412,7 +412,7 @@ def test_server_serves_others_while_a_compile_runs(http, compiler, llm):
 def rpc_client(llm):
     from engine.client import RPCClient
 
-    with RPCThread(llm) as server, RPCClient(server.address, timeout=120) as c:
+    with RPCThread(llm) as server, RPCClient(server.address, timeout=300) as c:
         yield c
 
 
