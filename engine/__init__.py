@@ -10,8 +10,16 @@ _cpu_isa.apply_to_environment()
 
 from engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.structured.params import StructuredOutputs  # noqa: E402
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "StructuredOutputs",
+    "RequestOutput",
+    "CompletionOutput",
+]
 
 
 def __getattr__(name: str):

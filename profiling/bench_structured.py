@@ -21,9 +21,9 @@ one-time cost of describing the tokenizer to xgrammar.
 (c) With ``--serve``: ``engine serve`` in a subprocess; the TTFT of unconstrained streamed
 completions sent at ``--probe-rate`` a second, quiet and then while another client sends a request
 with a new JSON schema every 100 ms (``structured_outputs`` in the body, vLLM's extra field; each
-schema differs, so each compiles). Reports TTFT p50/p99 of both phases and the p99 ratio (target
-<= 1.5x), and the churn requests' status codes. Not yet run against a server that serves
-``structured_outputs`` (the HTTP surface is another change): until then they count as 400s.
+schema differs, so each compiles; each generates as few tokens as a probe, so that what the
+quiet phase lacks is mostly the compiles). Reports TTFT p50/p99 of both phases and the p99 ratio
+(target <= 1.5x), and the churn requests' status codes.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ async def probe(url: str, seconds: float, rate: float, churn: bool) -> tuple[lis
     async def constrained(client, i: int) -> None:
         schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"}}}
         extra = {"structured_outputs": {"json": schema}}
-        r = await client.post("/v1/completions", json={**body, "max_tokens": 16, **extra})
+        r = await client.post("/v1/completions", json={**body, **extra})
         codes[r.status_code] += 1
 
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:

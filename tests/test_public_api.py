@@ -1,7 +1,7 @@
 """The public names the docs promise stay where they are documented, whatever the layout behind
-them: ``from engine import LLM, AsyncLLM, SamplingParams``, ``engine.sampling_params``, the
-outputs, ``engine.client.RPCClient``, and the ``engine`` command's entry point (with the old
-``engine.server.cli:main`` kept for scripts that name it)."""
+them: ``from engine import LLM, AsyncLLM, SamplingParams, StructuredOutputs``,
+``engine.sampling_params``, the outputs, ``engine.client.RPCClient``, and the ``engine`` command's
+entry point (with the old ``engine.server.cli:main`` kept for scripts that name it)."""
 
 import subprocess
 import sys
@@ -10,6 +10,7 @@ from pathlib import Path
 import engine
 import engine.client
 import engine.sampling_params
+import engine.structured
 from engine.cli.main import main
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.server import rpc_client
@@ -21,6 +22,7 @@ def test_the_package_exports_the_embedded_api():
 
     assert engine.LLM is LLM and engine.AsyncLLM is AsyncLLM
     assert engine.SamplingParams is engine.sampling_params.SamplingParams
+    assert engine.StructuredOutputs is engine.structured.StructuredOutputs
     assert RequestOutput.__module__ == "engine.outputs" == CompletionOutput.__module__
 
 
