@@ -21,7 +21,7 @@ one-time cost of describing the tokenizer to xgrammar.
 (c) With ``--serve``: ``engine serve`` in a subprocess; the TTFT of unconstrained streamed
 completions sent at ``--probe-rate`` a second, quiet and then while another client sends a request
 with a new JSON schema every 100 ms (``structured_outputs`` in the body, vLLM's extra field; each
-schema differs, so each compiles; each generates as many tokens as a probe). Those requests are
+schema differs, so each compiles; each generates ``--churn-tokens`` tokens). Those requests are
 load as well as compiles, so two more phases send the same load without new compiles: the same
 schema every 100 ms (compiled once, cached), and an unconstrained request every 100 ms. Reports
 TTFT p50/p99 of each phase, the p99 ratios to quiet (the issue's target: schema churn <= 1.5x)
@@ -39,64 +39,8 @@ import subprocess
 import sys
 import time
 
-SCHEMAS = {
-    "optional-fields": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "email": {"type": "string", "maxLength": 24},
-        },
-        "required": ["name", "age"],
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "title": {"type": "string", "maxLength": 16},
-            "author": {
-                "type": "object",
-                "properties": {
-                    "first": {"type": "string", "maxLength": 10},
-                    "last": {"type": "string", "maxLength": 10},
-                },
-                "required": ["first", "last"],
-            },
-            "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
-        },
-        "required": ["title", "author", "year"],
-    },
-    "arrays-enums": {
-        "type": "object",
-        "properties": {
-            "tags": {
-                "type": "array",
-                "items": {"enum": ["red", "green", "blue"]},
-                "minItems": 1,
-                "maxItems": 3,
-            },
-            "scores": {
-                "type": "array",
-                "items": {"type": "integer", "minimum": 0, "maximum": 10},
-                "maxItems": 4,
-            },
-        },
-        "required": ["tags", "scores"],
-    },
-    "anyof-number": {
-        "type": "object",
-        "properties": {
-            "value": {
-                "anyOf": [
-                    {"type": "integer", "minimum": -5, "maximum": 5},
-                    {"type": "string", "maxLength": 8},
-                    {"type": "boolean"},
-                ]
-            },
-            "price": {"type": "number", "minimum": 0, "maximum": 100},
-        },
-        "required": ["value", "price"],
-    },
-}
+from engine.bench.json_schemas import SCHEMAS
+
 TOPICS = ["a novel", "a city", "a planet", "a song", "a chemist", "a river", "a bridge", "a king"]
 
 
@@ -145,6 +89,12 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help="(c) only: TTFT under schema churn")
     ap.add_argument("--seconds", type=float, default=20.0, help="(c): each phase's length")
     ap.add_argument("--probe-rate", type=float, default=4.0, help="(c): probes a second")
+    ap.add_argument(
+        "--churn-tokens",
+        type=int,
+        default=4,
+        help="(c): max_tokens of the second client's requests (the probes take 4)",
+    )
     args = ap.parse_args()
     if args.serve:
         serve_bench(args)
@@ -245,7 +195,9 @@ def main() -> None:
     engine.close()
 
 
-async def probe(url: str, seconds: float, rate: float, churn: str) -> tuple[list[float], dict]:
+async def probe(
+    url: str, seconds: float, rate: float, churn: str, churn_tokens: int = 4
+) -> tuple[list[float], dict]:
     """TTFTs of unconstrained streamed completions; with ``churn`` "new", a request with a new
     schema every 100 ms; "same": the same schema every 100 ms (the same load, compiled once);
     "plain": an unconstrained request every 100 ms (the same load, nothing to compile)."""
@@ -267,7 +219,7 @@ async def probe(url: str, seconds: float, rate: float, churn: str) -> tuple[list
         field = f"field_{i if churn == 'new' else 0}"
         schema = {"type": "object", "properties": {field: {"type": "integer"}}}
         extra = {"structured_outputs": {"json": schema}} if churn != "plain" else {}
-        r = await client.post("/v1/completions", json={**body, **extra})
+        r = await client.post("/v1/completions", json={**body, "max_tokens": churn_tokens, **extra})
         codes[r.status_code] += 1
 
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
@@ -316,11 +268,16 @@ def serve_bench(args) -> None:
         asyncio.run(probe(url, 2.0, args.probe_rate, ""))  # warm-up
         phases = {}
         for name, churn in PHASES:
-            phases[name] = asyncio.run(probe(url, args.seconds, args.probe_rate, churn))
+            phases[name] = asyncio.run(
+                probe(url, args.seconds, args.probe_rate, churn, args.churn_tokens)
+            )
     finally:
         proc.terminate()
         proc.wait(30)
-    print(f"\nunconstrained TTFT, {args.probe_rate:g} probes/s for {args.seconds:g} s a phase")
+    print(
+        f"\nunconstrained TTFT, {args.probe_rate:g} probes/s for {args.seconds:g} s a phase; "
+        f"the second client's requests: max_tokens {args.churn_tokens}"
+    )
     print("| phase | probes | TTFT p50 ms | TTFT p99 ms | churn status codes |")
     print("| --- | --- | --- | --- | --- |")
     p99 = {}

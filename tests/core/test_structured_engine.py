@@ -16,66 +16,9 @@ import torch
 from engines import make_engine
 
 import engine.core.llm_engine as llm_engine_module
+from engine.bench.json_schemas import SCHEMAS
 from engine.sampling_params import SamplingParams
 
-SCHEMAS = {
-    "optional-fields": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "email": {"type": "string", "maxLength": 24},
-        },
-        "required": ["name", "age"],
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "title": {"type": "string", "maxLength": 16},
-            "author": {
-                "type": "object",
-                "properties": {
-                    "first": {"type": "string", "maxLength": 10},
-                    "last": {"type": "string", "maxLength": 10},
-                },
-                "required": ["first", "last"],
-            },
-            "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
-        },
-        "required": ["title", "author", "year"],
-    },
-    "arrays-enums": {
-        "type": "object",
-        "properties": {
-            "tags": {
-                "type": "array",
-                "items": {"enum": ["red", "green", "blue"]},
-                "minItems": 1,
-                "maxItems": 3,
-            },
-            "scores": {
-                "type": "array",
-                "items": {"type": "integer", "minimum": 0, "maximum": 10},
-                "maxItems": 4,
-            },
-        },
-        "required": ["tags", "scores"],
-    },
-    "anyof-number": {
-        "type": "object",
-        "properties": {
-            "value": {
-                "anyOf": [
-                    {"type": "integer", "minimum": -5, "maximum": 5},
-                    {"type": "string", "maxLength": 8},
-                    {"type": "boolean"},
-                ]
-            },
-            "price": {"type": "number", "minimum": 0, "maximum": 100},
-        },
-        "required": ["value", "price"],
-    },
-}
 MAX = 160  # enough for every schema above
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX)
 UNCONSTRAINED = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
