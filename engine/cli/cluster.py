@@ -68,7 +68,7 @@ def _worker_options(p: argparse.ArgumentParser) -> None:
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
-    from engine.cli.serve import _common
+    from engine.cli.serve import _common, add_tool_call_parser
 
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -77,6 +77,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-address", default=None, help="also serve the ZeroMQ RPC API here")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--no-layer-streaming", action="store_true", help="send KV after prefill")
+    add_tool_call_parser(p)
     _placement_args(p)
     _common(p)
 
@@ -167,6 +168,7 @@ def _serve(router, args: argparse.Namespace) -> int:
         api_key=args.api_key or envs.api_key(),
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -48,13 +48,7 @@ def add_server_commands(subparsers, engine_args_fn) -> None:
         help="generation requests one client address may have in flight; beyond, 429 "
         f"(default: {DEFAULT_PER_CLIENT}, or --max-pending if lower; 0: no per-client cap)",
     )
-    s.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=["hermes", "llama3_json", "generic"],
-        help="the tool-call format of the model's replies (docs/tool_calls.md; default: read "
-        "from the chat template: hermes for Qwen-style, llama3_json for Llama 3.x, else generic)",
-    )
+    add_tool_call_parser(s)
     _common(s)
     s.set_defaults(func=cmd_serve)
 
@@ -64,6 +58,17 @@ def add_server_commands(subparsers, engine_args_fn) -> None:
     r.add_argument("--max-inflight", type=int, default=1024, help="calls in flight at most")
     _common(r)
     r.set_defaults(func=cmd_rpc)
+
+
+def add_tool_call_parser(p: argparse.ArgumentParser) -> None:
+    """``--tool-call-parser``, for every command that serves chat completions over HTTP."""
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "generic"],
+        help="the tool-call format of the model's replies (docs/tool_calls.md; default: read "
+        "from the chat template: hermes for Qwen-style, llama3_json for Llama 3.x, else generic)",
+    )
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -134,3 +134,17 @@ def test_each_engine_flag_default_is_its_config_fields_default():
         scheduler=replace(config.scheduler, max_num_seqs=7),
         show_progress=True,
     )
+
+
+@pytest.mark.parametrize("command", [BASE, ["router", "--address", "tcp://127.0.0.1:1"]])
+def test_tool_call_parser_reaches_the_http_server(command, monkeypatch):
+    """``--tool-call-parser`` of ``engine cluster`` and ``engine router`` is the HTTP server's,
+    as it is ``engine serve``'s (left out, the server reads the format from the template)."""
+    import engine.server.uvicorn_server as uvicorn_server
+    from engine.cli.cluster import _serve
+
+    seen = {}
+    monkeypatch.setattr(uvicorn_server, "serve_http", lambda router, **kw: seen.update(kw) or 0)
+    for extra, want in (([], None), (["--tool-call-parser", "hermes"], "hermes")):
+        assert _serve(object(), parser().parse_args(command + extra)) == 0
+        assert seen["tool_call_parser"] == want
