@@ -25,7 +25,11 @@ def make_engine(num_blocks=256, max_tokens=2048, max_seqs=64, block_size=16, pre
 
 
 def run_all(engine, prompts, params=GREEDY):
-    rids = [engine.add_request(p, params) for p in prompts]
+    """Each prompt with ``params`` (one SamplingParams for all, or one per prompt), to the end,
+    checking the cache's integrity after every step; the final outputs in prompt order."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     final = {}
     while engine.has_unfinished_requests():
         for o in engine.step():

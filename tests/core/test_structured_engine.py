@@ -13,7 +13,7 @@ import re
 import jsonschema
 import pytest
 import torch
-from engines import make_engine
+from engines import make_engine, run_all
 
 import engine.core.llm_engine as llm_engine_module
 from engine.bench.json_schemas import SCHEMAS
@@ -63,22 +63,9 @@ def prompt(engine):
     return ids
 
 
-def run(engine, prompts, params):
-    """Each prompt with its params (one SamplingParams for all, or a list), to the end."""
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    final = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                final[o.request_id] = o
-        engine.check_integrity()
-    return [final[r] for r in rids]
-
-
 def run_schemas(engine, prompt, **kw):
-    return run(engine, [prompt] * len(SCHEMAS), [json_params(s, **kw) for s in SCHEMAS.values()])
+    params = [json_params(s, **kw) for s in SCHEMAS.values()]
+    return run_all(engine, [prompt] * len(SCHEMAS), params)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +110,7 @@ def test_json_object_regex_choice_and_grammar(engine, prompt):
         ({"grammar": 'start: "ok" | "no"'}, lambda t: t in ("ok", "no")),
     ]
     for base in (GREEDY, seeded):
-        outs = run(engine, [prompt] * len(cases), [constrained(base, **so) for so, _ in cases])
+        outs = run_all(engine, [prompt] * len(cases), [constrained(base, **so) for so, _ in cases])
         for out, (so, ok) in zip(outs, cases, strict=True):
             c = out.outputs[0]
             assert c.finish_reason == "stop" and ok(c.text), (so, c.text)
@@ -149,7 +136,7 @@ def test_n3_each_choice_valid_with_its_own_matcher(engine, prompt):
 
 def test_logprobs_are_the_raw_distribution(engine, prompt):
     params = json_params(SCHEMAS["arrays-enums"], logprobs=5)
-    (out,) = run(engine, [prompt], params)
+    (out,) = run_all(engine, [prompt], params)
     c = out.outputs[0]
     check_json(c, SCHEMAS["arrays-enums"])
     ids = c.token_ids
@@ -166,7 +153,7 @@ def test_logprobs_are_the_raw_distribution(engine, prompt):
     assert masked_away > 0
     assert any(max(lp.top.values()) > lp.logprob + 1e-3 for lp in c.logprobs)
     # An unconstrained run has the same logprobs for the tokens they share.
-    (free,) = run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=4, logprobs=5))
+    (free,) = run_all(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=4, logprobs=5))
     f = free.outputs[0]
     if f.token_ids[0] == ids[0]:
         assert f.logprobs[0].logprob == pytest.approx(c.logprobs[0].logprob, abs=1e-4)
@@ -176,7 +163,7 @@ def test_logprobs_are_the_raw_distribution(engine, prompt):
 def test_stop_string_ends_a_constrained_output(engine, prompt, greedy_json):
     schema = SCHEMAS["nested"]
     full = greedy_json[1].outputs[0].text
-    (out,) = run(engine, [prompt], json_params(schema, stop=[","]))
+    (out,) = run_all(engine, [prompt], json_params(schema, stop=[","]))
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == ","
     assert c.text == full[: full.index(",")]
@@ -185,7 +172,7 @@ def test_stop_string_ends_a_constrained_output(engine, prompt, greedy_json):
 def test_tiny_max_tokens_is_a_truncated_length(engine, prompt, greedy_json):
     schema = SCHEMAS["nested"]
     params = SamplingParams(temperature=0.0, max_tokens=5, structured_outputs={"json": schema})
-    (out,) = run(engine, [prompt], params)
+    (out,) = run_all(engine, [prompt], params)
     c = out.outputs[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 5
     assert c.token_ids == greedy_json[1].outputs[0].token_ids[:5]
@@ -205,7 +192,7 @@ def test_preemption_keeps_outputs_valid_and_unchanged(prompt, greedy_json):
     blocks = -(-(len(prompt) + most) // 16) + 1  # one request fits, four at once do not
     small = make_engine(num_blocks=blocks, prefix=False)
     params = [json_params(s, max_tokens=most) for s in SCHEMAS.values()]
-    outs = run(small, [prompt] * len(SCHEMAS), params)
+    outs = run_all(small, [prompt] * len(SCHEMAS), params)
     assert small.scheduler.num_preemptions > 0
     assert tokens(outs) == tokens(greedy_json)
     for out, schema in zip(outs, SCHEMAS.values(), strict=True):
@@ -217,8 +204,8 @@ def test_preemption_keeps_outputs_valid_and_unchanged(prompt, greedy_json):
 def test_unconstrained_neighbour_unchanged(engine, prompt):
     other = engine.tokenizer.encode("The three laws of thermodynamics are")
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, logprobs=2)
-    alone = run(engine, [other, other], [UNCONSTRAINED, seeded])
-    mixed = run(
+    alone = run_all(engine, [other, other], [UNCONSTRAINED, seeded])
+    mixed = run_all(
         engine,
         [other, prompt, other, prompt],
         [
@@ -249,11 +236,11 @@ def test_a_batch_without_constraints_never_builds_a_bitmask(engine, prompt, monk
     monkeypatch.setattr(llm_engine_module, "step_bitmask", spy)
     monkeypatch.setattr(engine, "sampler", sample)
     seeded = SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
-    run(engine, [prompt, prompt], [UNCONSTRAINED, seeded])
+    run_all(engine, [prompt, prompt], [UNCONSTRAINED, seeded])
     assert calls == [] and all(b.bitmask is None for b in batches)
     batches.clear()
-    run(engine, [prompt, prompt], UNCONSTRAINED)
+    run_all(engine, [prompt, prompt], UNCONSTRAINED)
     assert batches and all(b.fast_greedy for b in batches)  # one argmax, as before
-    run(engine, [prompt], constrained(GREEDY, choice=["a", "b"]))
+    run_all(engine, [prompt], constrained(GREEDY, choice=["a", "b"]))
     assert calls  # the spy sees constrained steps
     assert batches[-1].bitmask is not None and not batches[-1].fast_greedy

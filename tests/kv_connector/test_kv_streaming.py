@@ -187,15 +187,7 @@ def test_corrupt_layer_follows_policy(expected, policy):
         assert len(pair.run("one", PROMPT[:40], one)[0][0]) == 1
         assert not pair.d_engine.has_unfinished_requests() and pair.arena.used == 0
 
-        # Corrupt layer 3's staged bytes just before the receiver checks them.
-        orig = pair.receiver._take_layer
-
-        def take(t, msg):
-            if msg.layer == 3:
-                pair.arena.buf[t.offset + t.layout.run(3, 0, 0, 1)[0]] ^= 0xFF
-            return orig(t, msg)
-
-        pair.receiver._take_layer = take
+        corrupt_layer(pair, 3)
         toks, _, _ = pair.run("c", PROMPT, GREEDY)
         failed = [x for x in pair.router if isinstance(x, m.TransferFailed)]
         assert len(failed) == 1 and "layer 3: checksum mismatch" in failed[0].reason
@@ -217,6 +209,18 @@ def test_corrupt_layer_follows_policy(expected, policy):
         pair.close()
 
 
+def corrupt_layer(pair, layer: int) -> None:
+    """From now on, flip a byte of ``layer``'s staged KV just before the receiver checks it."""
+    orig = pair.receiver._take_layer
+
+    def take(t, msg):
+        if msg.layer == layer:
+            pair.arena.buf[t.offset + t.layout.run(layer, 0, 0, 1)[0]] ^= 0xFF
+        return orig(t, msg)
+
+    pair.receiver._take_layer = take
+
+
 def test_constrained_request_streamed_and_recomputed_equals_colocated():
     """A seeded JSON-schema request (n=2): its first tokens are sampled on the prefill side under
     the grammar, the decode side builds its own matchers and feeds them those tokens. Once with
@@ -233,14 +237,7 @@ def test_constrained_request_streamed_and_recomputed_equals_colocated():
     try:
         assert pair.run("streamed", prompt, params) == want
         assert pair.d_engine.metrics.computed_prompt_tokens == 0
-        orig = pair.receiver._take_layer
-
-        def take(t, msg):
-            if msg.layer == 3:
-                pair.arena.buf[t.offset + t.layout.run(3, 0, 0, 1)[0]] ^= 0xFF
-            return orig(t, msg)
-
-        pair.receiver._take_layer = take
+        corrupt_layer(pair, 3)
         assert pair.run("recomputed", prompt, params) == want
         (failed,) = [x for x in pair.router if isinstance(x, m.TransferFailed)]
         # Recomputed here (the blocks its prefix cache kept from the first run aside).
