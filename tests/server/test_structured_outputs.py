@@ -120,15 +120,19 @@ def test_json_schemas_stop_parse_and_validate(client, temperature):
 def test_json_object(client):
     r = client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "Reply with an empty JSON object."}],
-        max_tokens=30,
+        messages=[
+            {
+                "role": "user",
+                "content": 'Is fire hot? Reply only {"answer": "yes"} or {"answer": "no"}.',
+            }
+        ],
+        max_tokens=40,
         temperature=0,
         response_format={"type": "json_object"},
     )
-    text = r.choices[0].message.content
-    assert text.startswith("{")
-    if r.choices[0].finish_reason == "stop":  # any object: its length is the model's choice
-        assert isinstance(json.loads(text), dict)
+    # A prompt that this model answers with a short object, so that the object ends.
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_regex_and_choice_via_structured_outputs(client):
