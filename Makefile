@@ -37,11 +37,15 @@ chat: $(STAMP)
 	$(BIN)/engine chat --model default
 
 # The suite, then its CPU-path tests again under ENGINE_CPU_ISA=avx2 in a process of their own
-# (tests/cpu_paths.py: what an AVX2-only CPU runs; skipped, saying so, where the CPU is avx2).
-# Both run; either failing fails the target.
+# (tests/cpu_paths.py: what an AVX2-only CPU runs; skipped, saying so, where the CPU is avx2),
+# then every Triton kernel variant compiled for sm_90 and sm_80 without a GPU (a compile error or
+# a register spill fails; the full table is in the log it names). All run; any failing fails.
 test: $(STAMP)
 	$(BIN)/pytest -q -m "not slow"; suite=$$?; $(BIN)/python tests/cpu_paths.py; \
-		capped=$$?; [ $$suite -eq 0 ] && [ $$capped -eq 0 ]
+		capped=$$?; log=$$(mktemp /tmp/engine-aot-XXXXXX.log); \
+		$(BIN)/python profiling/kernels.py --aot 90 80 > $$log 2>&1; aot=$$?; \
+		grep -v '^  ok ' $$log; echo "AOT table: $$log"; \
+		[ $$suite -eq 0 ] && [ $$capped -eq 0 ] && [ $$aot -eq 0 ]
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
