@@ -111,9 +111,12 @@ CPU_KV_MAX_SHARE_OF_AVAILABLE = 0.2
 class CacheConfig:
     """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens for every layer.
 
-    ``num_blocks=None`` sizes the cache from ``kv_cache_memory_gb`` on CPU, or from measured free
-    memory times ``gpu_memory_utilization`` on CUDA. ``kv_cache_memory_gb=None`` (the default)
-    on CPU: ``sized_for`` picks enough for CPU_KV_DEFAULT_SEQS requests of the full context,
+    ``num_blocks=None`` sizes the cache from ``kv_cache_memory_gb`` on every device when it is
+    given. Otherwise, on CUDA: ``gpu_memory_utilization`` is this process's share of the GPU's
+    total memory (weights, activations and KV cache together, as vLLM's flag; two engines on one
+    GPU can take 0.45 each), and the KV cache gets that share minus what the process holds after
+    loading the weights and an estimate of a step's activations (engine/kvcache/kv_budget.py).
+    On CPU: ``sized_for`` picks enough for CPU_KV_DEFAULT_SEQS requests of the full context,
     capped at CPU_KV_MAX_SHARE_OF_AVAILABLE of available memory.
     """
 

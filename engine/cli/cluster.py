@@ -49,6 +49,15 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
         metavar="SPEC",
         help='one KV pool service for the host, used by every worker: "dram=4GiB,ssd=PATH:50GiB"',
     )
+    c.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="spread the workers round-robin over the first N visible GPUs (default: all), "
+        "each GPU's --gpu-memory-utilization split evenly among its workers; 1: every worker "
+        "on cuda:0 (docs/cluster.md)",
+    )
     _worker_options(c)
     _router_args(c)
     c.set_defaults(func=cmd_cluster)
@@ -184,27 +193,56 @@ def cmd_router(args: argparse.Namespace) -> int:
         router.close()
 
 
-def worker_argv(args: argparse.Namespace) -> list[str]:
+# The engine options the launcher sets per worker when it places workers on GPUs.
+PLACED_OPTIONS = ("device", "gpu_memory_utilization")
+
+
+def worker_argv(args: argparse.Namespace, placed: bool = False) -> list[str]:
     """What ``engine cluster`` passes on to each ``engine worker`` (beyond role, router, id,
     transport and threads, which the launcher adds): the engine and worker options that were set,
-    the staging size and the log level."""
+    the staging size and the log level; ``placed``: not the device and memory share, which the
+    launcher gives each worker (``worker_gpus``)."""
 
     return (
-        engine_argv(args)
+        engine_argv(args, skip=PLACED_OPTIONS if placed else ())
         + set_options(args, _worker_options, skip=("kv_transport", "threads"))
         + ["--kv-staging-mb", str(args.kv_staging_mb), "--log-level", args.log_level]
     )
 
 
+def worker_gpus(args: argparse.Namespace, visible_gpus: int) -> dict[str, list[str]] | None:
+    """Each worker's ``--device cuda:I --gpu-memory-utilization U`` by worker id
+    (engine/cluster/gpu_placement.py), or None where the workers run on the CPU."""
+    from engine.cluster.gpu_placement import place_workers
+
+    ids = [f"prefill-{i}" for i in range(args.prefill)] + [
+        f"decode-{i}" for i in range(args.decode)
+    ]
+    placed = place_workers(
+        len(ids), visible_gpus, args.device, args.gpu_memory_utilization, args.gpus
+    )
+    if placed is None:
+        return None
+    return {worker_id: gpu.argv() for worker_id, gpu in zip(ids, placed, strict=True)}
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
+    import torch
+
     from engine.cluster.launcher import ChildExited, Cluster
 
     _logging(args.log_level)
     try:
+        gpus = worker_gpus(args, torch.cuda.device_count())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         cluster = Cluster(
             args.prefill,
             args.decode,
-            worker_args=worker_argv(args),
+            worker_args=worker_argv(args, placed=gpus is not None),
+            worker_gpus=gpus,
             router_config=_router_config(args, "tcp://127.0.0.1:0"),
             kv_transport=args.kv_transport,
             threads=args.threads,

@@ -66,8 +66,20 @@ ENGINE_FLAGS = (
         None,
         {
             "type": float,
-            "help": "KV cache size on CPU (default: 4 requests of the full context, at most 20%% "
-            "of available memory; the log says what was chosen)",
+            "help": "KV cache size, on every device (default on CPU: 4 requests of the full "
+            "context, at most 20%% of available memory; on CUDA: from --gpu-memory-utilization; "
+            "the log says what was chosen)",
+        },
+    ),
+    EngineFlag(
+        "--gpu-memory-utilization",
+        "cache.gpu_memory_utilization",
+        0.85,
+        {
+            "type": float,
+            "help": "this process's share of the GPU's total memory, weights + activations + KV "
+            "cache (as vLLM's; two engines on one GPU: 0.45 each). engine cluster: the share of "
+            "each GPU for all its workers there, split evenly (docs/cluster.md)",
         },
     ),
     EngineFlag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", 2048, {"type": int}),
@@ -128,10 +140,11 @@ def set_options(
     return out
 
 
-def engine_argv(args: argparse.Namespace) -> list[str]:
+def engine_argv(args: argparse.Namespace, skip=()) -> list[str]:
     """The engine options of this command line that were set, for another process's (the
-    workers of ``engine cluster``, a server a benchmark starts)."""
-    return set_options(args, add_engine_options)
+    workers of ``engine cluster``, a server a benchmark starts), but those whose dest is in
+    ``skip``."""
+    return set_options(args, add_engine_options, skip=skip)
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:

@@ -84,9 +84,13 @@ class Cluster:
         env: dict[str, str] | None = None,
         start_timeout: float = 300.0,
         pool_service: str | None = None,
+        worker_gpus: dict[str, list[str]] | None = None,
     ) -> None:
         """pool_service: "dram=SIZE[,ssd=PATH:SIZE]": one pool service for the host (``engine pool
-        serve``), which every worker uses as its KV pool (``--kv-pool tcp://...``)."""
+        serve``), which every worker uses as its KV pool (``--kv-pool tcp://...``).
+        worker_gpus: options added to a worker's command line by worker id (its ``--device
+        cuda:I --gpu-memory-utilization U``: engine/cluster/gpu_placement.py), kept for its
+        restarts."""
         from dataclasses import replace
 
         from engine.cluster.router.router import Router, RouterConfig
@@ -98,6 +102,7 @@ class Cluster:
             cfg = replace(cfg, address=f"tcp://127.0.0.1:{free_port()}")
         self.router = Router(cfg)
         self.worker_args = list(worker_args or [])
+        self.worker_gpus = dict(worker_gpus or {})
         self.kv_transport = kv_transport
         self.threads = threads
         self.env = env
@@ -171,6 +176,7 @@ class Cluster:
             "--threads",
             str(self.threads),
             *self.worker_args,
+            *self.worker_gpus.get(worker_id, []),
         ]
 
     def start_worker(self, role: str, worker_id: str) -> subprocess.Popen:

@@ -8,7 +8,14 @@ from typing import NamedTuple
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.kvcache.paged_cache import bytes_per_block, choose_num_blocks
+from engine.core.device_memory import MemoryBaseline
+from engine.kvcache.kv_budget import (
+    DeviceMemory,
+    activation_reserve_bytes,
+    kv_budget_bytes,
+    num_blocks_for,
+)
+from engine.kvcache.paged_cache import bytes_per_block
 
 logger = logging.getLogger("engine")
 
@@ -19,11 +26,32 @@ class CachePlan(NamedTuple):
     max_model_len: int  # at most what the cache holds: one request always fits by itself
 
 
+def activation_reserve(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """kv_budget.activation_reserve_bytes for this engine's model and step limits."""
+    return activation_reserve_bytes(
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        vocab_size=model.vocab_size,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        elem_size=torch.empty((), dtype=dtype).element_size(),
+    )
+
+
 def plan_cache(
-    config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    baseline: MemoryBaseline | None = None,
 ) -> CachePlan:
-    """The cache's size from the config, the model and the memory there is; ValueError when
-    ``max_model_len`` exceeds the model's positions. Logs what it chose and what it lowered."""
+    """The cache's size from the config, the model and the memory there is (on CUDA measured
+    now, after the weights loaded, against ``baseline``, taken before: see kv_budget.py);
+    ValueError when ``max_model_len`` exceeds the model's positions or the cache would be too
+    small. Logs what it chose and what it lowered."""
     max_len = config.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         raise ValueError(
@@ -31,18 +59,41 @@ def plan_cache(
             f"({model.max_position_embeddings})"
         )
     cc = config.cache
-    if device.type != "cuda":
-        per_token = bytes_per_block(model, cc.block_size, dtype) // cc.block_size
-        cc, chosen = cc.sized_for(per_token, max_len, config.scheduler.max_num_seqs)
-        if chosen:
-            logger.info(chosen)
-    num_blocks = choose_num_blocks(model, cc, dtype, device)
+    per_block = bytes_per_block(model, cc.block_size, dtype)
+    given = config.max_model_len is not None
+    if cc.num_blocks is not None:
+        num_blocks = cc.num_blocks
+        if given and num_blocks * cc.block_size < max_len:
+            raise ValueError(
+                f"num_blocks ({num_blocks} of {cc.block_size} tokens) holds fewer tokens than "
+                f"one sequence of max_model_len ({max_len}): raise num_blocks or lower "
+                "max_model_len"
+            )
+    else:
+        mem: DeviceMemory | None = None
+        if device.type == "cuda":
+            baseline = baseline or MemoryBaseline.take(device)
+            mem = baseline.measure(device, activation_reserve(config, model, dtype))
+        else:
+            seqs = config.scheduler.max_num_seqs
+            cc, chosen = cc.sized_for(per_block // cc.block_size, max_len, seqs)
+            if chosen:
+                logger.info(chosen)
+        budget = kv_budget_bytes(mem, cc.gpu_memory_utilization, cc.kv_cache_memory_gb)
+        num_blocks = num_blocks_for(budget, per_block, cc.block_size, max_len, given)
+        if mem is not None:
+            logger.info(
+                "KV cache on %s: %.2f GiB, %d blocks (GPU total %.2f GiB, free %.2f, this "
+                "process %.2f, activations %.2f, gpu_memory_utilization %s)",
+                device, budget / 1024**3, num_blocks, mem.total / 1024**3, mem.free / 1024**3,
+                mem.used / 1024**3, mem.reserve / 1024**3, cc.gpu_memory_utilization,
+            )  # fmt: skip
     # One request must always fit in the cache by itself, or preemption could not help it.
     fits = min(max_len, num_blocks * cc.block_size)
     if fits < max_len:
         logger.warning(
             "max_model_len lowered from %d to %d tokens: the KV cache holds no more "
-            "(raise --kv-cache-memory-gb)",
+            "(raise --kv-cache-memory-gb or --gpu-memory-utilization)",
             max_len,
             fits,
         )

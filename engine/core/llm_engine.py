@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.core.cache_plan import plan_cache
 from engine.core.connector_calls import layer_hook, save_new_blocks
 from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.device_memory import MemoryBaseline, select_device
 from engine.core.metrics import EngineMetrics, MetricsSnapshot, StepTimes
 from engine.core.model_runner import ModelRunner
 from engine.core.output_builder import build_output
@@ -96,7 +97,9 @@ class LLMEngine:
                 cap,
                 cap,
             )
-        self.device = config.resolved_device()
+        # The GPU current first (Triton launches on it), its memory before the weights load.
+        self.device = select_device(config.resolved_device())
+        baseline = MemoryBaseline.take(self.device)
         self.dtype = config.resolved_dtype()
         torch.manual_seed(config.seed)
         built = build_model(
@@ -112,7 +115,7 @@ class LLMEngine:
         self.weight_cache_hit = built.cache_hit
         model = self.model = built.model
         del built
-        plan = plan_cache(config, self.model_config, self.dtype, self.device)
+        plan = plan_cache(config, self.model_config, self.dtype, self.device, baseline)
         cc, num_blocks = plan.cache, plan.num_blocks
         self.cache = PagedKVCache(
             self.model_config, num_blocks, cc.block_size, self.dtype, self.device

@@ -1,4 +1,4 @@
-"""The paged device cache: one KV tensor for every layer, sized from config or free memory."""
+"""The paged device cache: one KV tensor for every layer (its size: kv_budget.py, cache_plan.py)."""
 
 from __future__ import annotations
 
@@ -7,32 +7,12 @@ import math
 import numpy as np
 import torch
 
-from engine.config import CacheConfig, ModelConfig
+from engine.config import ModelConfig
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * elem
-
-
-def choose_num_blocks(
-    model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
-) -> int:
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    per_block = bytes_per_block(model, cache.block_size, dtype)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - cache.gpu_memory_utilization) * total
-    else:
-        budget = cache.kv_cache_memory_gb * 1024**3
-    num = int(budget // per_block)
-    if num < 2:
-        raise ValueError(
-            f"the KV cache budget ({budget / 1024**3:.2f} GiB) holds fewer than 2 blocks of "
-            f"{per_block} bytes; raise kv_cache_memory_gb or gpu_memory_utilization"
-        )
-    return num
 
 
 class PagedKVCache:

@@ -26,6 +26,7 @@ VALUES = {
     "--model": "/models/other.gguf",
     "--device": "cpu",
     "--block-size": "32",
+    "--gpu-memory-utilization": "0.45",  # in (0, 1]
 }
 
 
