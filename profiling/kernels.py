@@ -46,6 +46,7 @@ from engine.kernels.decode_attention import (  # noqa: E402
     decode_attention_ref,
     decode_attention_triton,
 )
+from engine.kernels.int8_matmul import int8_matmul_triton  # noqa: E402
 from engine.kernels.kv_copy import (  # noqa: E402
     kv_gather_ref,
     kv_gather_triton,
@@ -309,6 +310,35 @@ def copy_case(model, n, dtype, device, layers, num_blocks, gather, block_size=16
     )
 
 
+def int8_case(rows, out_features, in_features, dtype, device, timed=True, name=""):
+    """y = x @ (qweight * scales)^T against float32 math on the dequantized weight (the first
+    rows of x where the reference would be slow)."""
+    g = torch.Generator(device=device).manual_seed(rows)
+    qweight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
+                            device=device, generator=g)  # fmt: skip
+    scales = (torch.rand(out_features, device=device, generator=g) * 1e-3 + 1e-4).to(dtype)
+    x = torch.randn(rows, in_features, device=device, generator=g).to(dtype)
+    out = {}
+
+    def run():
+        out["y"] = int8_matmul_triton(x, qweight, scales)
+
+    def check():
+        run()
+        n = min(rows, 64)
+        w = qweight.float() * scales.float()[:, None]
+        ref = (x[:n].double() @ w.double().T).to(dtype)
+        err, ok = _compare(out["y"][:n], ref, dtype)
+        return err, ok, "all rows" if n == rows else f"first {n} of {rows} rows"
+
+    el = x.element_size()
+    flops = 2.0 * rows * out_features * in_features
+    nbytes = out_features * in_features + (rows * (in_features + out_features) + out_features) * el
+    label = f"{name} " if name else ""
+    case = f"{label}{_short(dtype)} {rows} x {in_features} -> {out_features}"
+    return Case("int8_mm", case, flops, nbytes, run if timed else None, check)
+
+
 def sweep_cases(device) -> Iterator[Callable[[], Case]]:
     """Small, odd shapes for correctness only: on CPU through the interpreter, on a GPU to prove
     that every kernel variant compiles (dot shapes, shared memory) and matches."""
@@ -336,6 +366,17 @@ def sweep_cases(device) -> Iterator[Callable[[], Case]]:
             yield lambda m=model, d=dtype, b=bs, g=gather: copy_case(
                 m, 5, d, device, 2, 12, g, block_size=b, timed=False
             )
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows in (1, 3, 17, 64, 130):
+            for out_f, in_f in ((77, 100), (33, 200)):  # in not a multiple of BLOCK_K; out odd
+                yield lambda r=rows, o=out_f, i=in_f, d=dtype: int8_case(
+                    r, o, i, d, device, timed=False
+                )
+
+
+# Llama-3-8B's projections (out, in): fused qkv, o_proj, fused gate_up, down_proj.
+INT8_SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+               ("down", 4096, 14336)]  # fmt: skip
 
 
 def timed_cases(device, quick: bool) -> Iterator[Callable[[], Case]]:
@@ -362,6 +403,12 @@ def timed_cases(device, quick: bool) -> Iterator[Callable[[], Case]]:
                 yield lambda m=model, n=n, g=gather: copy_case(
                     m, n, bf16, device, m.layers, 2048, g
                 )
+    # The int8 GEMM: decode rows are weight-bound (read % BW), prefill rows FLOP-bound.
+    for rows in (1, 16, 256, 2048) if quick else (1, 4, 16, 64, 256, 2048, 8192):
+        for label, out_f, in_f in INT8_SHAPES:
+            yield lambda r=rows, n=label, o=out_f, i=in_f: int8_case(
+                r, o, i, bf16, device, name=f"llama8b {n}"
+            )
 
 
 def _copy_ceiling() -> float:
@@ -474,11 +521,11 @@ def aot_compile(arch: int) -> int:
     from triton.runtime.jit import JITFunction
 
     mods = [sys.modules[f"engine.kernels.{n}"] for n in ("prefill_attention", "decode_attention")]
-    mods += [sys.modules[f"engine.kernels.{n}"] for n in ("kv_store", "kv_copy")]
+    mods += [sys.modules[f"engine.kernels.{n}"] for n in ("kv_store", "kv_copy", "int8_matmul")]
     for mod in mods:
         mod.check_devices = lambda *a, **k: torch.device("cpu")
     types = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-    types |= {torch.int32: "i32", torch.int64: "i64"}
+    types |= {torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
     ptxas = get_ptxas(arch).path
     rows, seen = [], set()
 
@@ -555,6 +602,10 @@ def aot_compile(arch: int) -> int:
             staging = torch.empty(2, 2, 3, 16, kv_heads, dim, dtype=dtype)
             kv_gather_triton(full, torch.zeros(3, dtype=torch.int64), staging)
             kv_scatter_triton(staging, torch.zeros(3, dtype=torch.int64), full)
+        weight = torch.empty(4096, 4096, dtype=torch.int8)
+        scales = torch.empty(4096, dtype=dtype)
+        for m in (1, 17, 64, 4096):  # each tile configuration
+            int8_matmul_triton(torch.empty(m, 4096, dtype=dtype), weight, scales)
     failed = sum(r[4] is None for r in rows)
     spilled = [r for r in rows if r[4] is not None and any(int(n) for n in r[6])]
     print(f"\n{len(rows) - failed}/{len(rows)} kernel variants compiled for sm_{arch}")

@@ -73,6 +73,10 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
 
 def int8_matmul(x, qweight, scales):
     """x [rows, in] (bf16, fp16, float32) @ (qweight [out, in] int8 * scales [out])^T."""
+    if use_triton(x.device):
+        from engine.kernels.int8_matmul import int8_matmul_triton
+
+        return int8_matmul_triton(x, qweight, scales)
     if use_native(x.device):
         return int8_matmul_native(x, qweight, scales)
     if x.device.type == "cpu" and x.shape[0] > INT8_GEMV_MAX_ROWS:

@@ -55,18 +55,34 @@ def check_tensor(
 
 
 def check_devices(kernel, **tensors: torch.Tensor) -> torch.device:
-    """All tensors on one device; CPU tensors only when ``kernel`` runs in the interpreter."""
+    """All tensors on one device; CPU tensors only when ``kernel`` runs in the interpreter; CUDA
+    tensors only on the current CUDA device (``check_current_device``)."""
     items = list(tensors.items())
     device = items[0][1].device
     for name, t in items[1:]:
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device} (like {items[0][0]})")
-    if device.type != "cuda" and not is_interpreted(kernel):
+    if device.type == "cuda":
+        check_current_device(items[0][0], device, torch.cuda.current_device())
+    elif not is_interpreted(kernel):
         raise ValueError(
             f"{items[0][0]} is on {device}: Triton kernels need CUDA tensors, or "
             "TRITON_INTERPRET=1 set before triton is first imported"
         )
     return device
+
+
+def check_current_device(name: str, device: torch.device, current: int) -> None:
+    """Triton launches on the *current* CUDA device whatever its tensors' device: a kernel given
+    cuda:1 tensors while cuda:0 is current would read another GPU's addresses. The engine makes
+    its device current at start (engine/core/device_memory.py select_device); a launch from
+    elsewhere must do the same (``torch.cuda.set_device`` or ``with torch.cuda.device(...)``)."""
+    index = device.index if device.index is not None else current
+    if index != current:
+        raise ValueError(
+            f"{name} is on cuda:{index} but the current CUDA device is cuda:{current}: Triton "
+            f"launches on the current device; call torch.cuda.set_device({index}) first"
+        )
 
 
 def dot_in_f32(kernel, dtype: torch.dtype) -> bool:

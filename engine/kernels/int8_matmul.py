@@ -11,14 +11,25 @@ ms against 24 in float32; docs/cpu.md). On the CPU the few-row
 case (up to NATIVE_INT8_MAX_ROWS) runs the C kernel of native/int8_matmul.c instead: over the
 default model's 120 projections (weights streamed from memory, as in a decode step) 6.6 against
 9.9 ms at 1 row and 7.3 against 11.7 ms at 2 rows here (profiling/bench_int8.py).
+On CUDA, int8_matmul_triton: one Triton kernel for every row count, reading the int8 weight once
+per tile of rows, widening it in registers and multiplying on tensor cores with float32 sums,
+the scales applied to the float32 sums (no dequantized weight in memory).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from engine.kernels._launch import check_tensor
+from engine.kernels._launch import (
+    check_devices,
+    check_dot_shape,
+    check_tensor,
+    dot_in_f32,
+    dot_precision,
+)
 
 # Rows up to which torch's weight-streaming kernel beats dequantize + 16-bit GEMM (measured on
 # AVX512-BF16).
@@ -116,4 +127,114 @@ def int8_matmul_native(
     )
     if rc:
         raise ValueError(f"int8 matmul (C kernel) failed with code {rc}")
+    return y
+
+
+@triton.jit
+def _int8_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    scales_ptr,
+    y_ptr,
+    rows,
+    out_features,
+    in_features,
+    stride_x,
+    stride_w,
+    stride_y,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # One [BLOCK_M, BLOCK_N] tile of y = x @ (w * scales[:, None])^T per program: the int8 tile
+    # of w is widened to x's dtype in registers (exact: |w| <= 127 fits bf16's 8 bits), the dot
+    # sums in float32, the scales multiply the sums once at the end. Row offsets in int64: an LM
+    # head's out x in can pass 2^31.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < rows
+    n_ok = offs_n < out_features
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [K, N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k_ok = offs_k + k0 < in_features
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0)
+        if DOT_F32:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    scales = tl.load(scales_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    y = acc * scales[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def int8_matmul_config(rows: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for ``rows`` rows of x. Few rows
+    (decode): the smallest row tile a 16-bit tl.dot takes (16) and narrow column tiles, so that a
+    projection's weight is spread over many programs (each streams its int8 rows once); many
+    rows (prefill): 128 x 128 tiles, compute-bound like a plain GEMM. float32 x multiplies in
+    IEEE fp32 (no tensor cores: FMAs on registers), so its tiles stay at most 64 x 64 x 32, the
+    largest that ptxas fits in registers without spills for sm_90 (``profiling/kernels.py
+    --aot``: 128 x 128 spilled ~10 KB)."""
+    if dtype == torch.float32:
+        if rows <= 16:
+            return 16, 32, 64, 4, 3
+        return min(64, triton.next_power_of_2(rows)), 64, 32, 8, 3
+    if rows <= 16:
+        return 16, 32, 128, 4, 4
+    if rows <= 64:
+        return triton.next_power_of_2(rows), 64, 128, 4, 4
+    return 128, 128, 64, 8, 3
+
+
+def int8_matmul_triton(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as int8_matmul_ref, on CUDA tensors (CPU ones under TRITON_INTERPRET=1):
+    float32 sums of x times the int8 weight, times the scale, rounded once to x's dtype."""
+    check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    check_tensor("x", x, last_contiguous=True)
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int8,), shape=(None, x.shape[1]))
+    check_tensor("qweight", qweight, last_contiguous=True)
+    check_tensor("scales", scales, dtypes=(x.dtype,), shape=(qweight.shape[0],), contiguous=True)
+    check_devices(_int8_matmul_kernel, x=x, qweight=qweight, scales=scales)
+    rows, in_features = x.shape
+    out_features = qweight.shape[0]
+    y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    if rows == 0 or out_features == 0:
+        return y
+    if in_features == 0:
+        return y.zero_()
+    block_m, block_n, block_k, warps, stages = int8_matmul_config(rows, x.dtype)
+    check_dot_shape(block_m, block_n, block_k)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))
+    _int8_matmul_kernel[grid](
+        x,
+        qweight,
+        scales,
+        y,
+        rows,
+        out_features,
+        in_features,
+        x.stride(0),
+        qweight.stride(0),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_F32=dot_in_f32(_int8_matmul_kernel, x.dtype),
+        PRECISION=dot_precision(x.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return y

@@ -1,8 +1,9 @@
 """Weight-only int8: per-output-channel symmetric scales from the float weights, and the matmul.
 
 Decode at small batch streams every weight once per step, so its speed is bytes of weights per
-step: int8 halves bf16's. The matmul is the kernels' ``int8_matmul`` (a weight-streaming kernel for
-a few rows, a tiled GEMM in x's dtype or float32 for more; see engine/kernels/int8_matmul.py).
+step: int8 halves bf16's. The matmul is the kernels' ``int8_matmul``: on CUDA a Triton kernel
+that widens the int8 weight in registers; on a CPU a weight-streaming kernel for a few rows, a
+tiled GEMM in x's dtype or float32 for more (engine/kernels/int8_matmul.py).
 Activations and scales are in the model's dtype: bf16, fp16 or float32.
 """
 
