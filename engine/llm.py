@@ -32,6 +32,7 @@ class LLM:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,  # None: sized for the model (config.py)
+        gpu_memory_utilization: float = 0.85,  # this process's share of its GPU (config.py)
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 128,
@@ -51,6 +52,7 @@ class LLM:
                 block_size=block_size,
                 num_blocks=num_blocks,
                 kv_cache_memory_gb=kv_cache_memory_gb,
+                gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
