@@ -14,6 +14,7 @@ from engine.kvcache.kv_budget import (
     activation_reserve_bytes,
     kv_budget_bytes,
     num_blocks_for,
+    sized_by,
 )
 from engine.kvcache.paged_cache import bytes_per_block
 
@@ -80,7 +81,8 @@ def plan_cache(
             if chosen:
                 logger.info(chosen)
         budget = kv_budget_bytes(mem, cc.gpu_memory_utilization, cc.kv_cache_memory_gb)
-        num_blocks = num_blocks_for(budget, per_block, cc.block_size, max_len, given)
+        field = sized_by(mem, cc.kv_cache_memory_gb)
+        num_blocks = num_blocks_for(budget, per_block, cc.block_size, max_len, given, field)
         if mem is not None:
             logger.info(
                 "KV cache on %s: %.2f GiB, %d blocks (GPU total %.2f GiB, free %.2f, this "

@@ -86,13 +86,26 @@ def kv_budget_bytes(
     return budget
 
 
+def sized_by(mem: DeviceMemory | None, kv_cache_memory_gb: float | None) -> str:
+    """The option that set the budget ``kv_budget_bytes`` returns, for an error to name."""
+    if mem is None or kv_cache_memory_gb is not None:
+        return "--kv-cache-memory-gb (kv_cache_memory_gb)"
+    return "--gpu-memory-utilization (gpu_memory_utilization)"
+
+
 def num_blocks_for(
-    budget: int, per_block: int, block_size: int, max_model_len: int, max_len_given: bool
+    budget: int,
+    per_block: int,
+    block_size: int,
+    max_model_len: int,
+    max_len_given: bool,
+    field: str = "--kv-cache-memory-gb (kv_cache_memory_gb)",
 ) -> int:
-    """The blocks ``budget`` bytes hold. ValueError when that is fewer than 2, or when
-    ``max_model_len`` was given (``max_len_given``) and one sequence of it would not fit: the
-    cache must hold one request of the longest allowed length by itself, or preemption could
-    not help it. (A max_model_len defaulted from the model is lowered instead: cache_plan.py.)"""
+    """The blocks ``budget`` bytes hold. ValueError naming ``field`` (the option that set the
+    budget: ``sized_by``) when that is fewer than 2, or when ``max_model_len`` was given
+    (``max_len_given``) and one sequence of it would not fit: the cache must hold one request of
+    the longest allowed length by itself, or preemption could not help it. (A max_model_len
+    defaulted from the model is lowered instead: cache_plan.py.)"""
     num = budget // per_block
     need = -(-max_model_len // block_size)
     if num < 2 or (max_len_given and num < need):
@@ -101,8 +114,8 @@ def num_blocks_for(
             f"the KV cache ({_gib(budget)}, {per_block} bytes a block of {block_size} tokens) "
             f"holds {num} blocks; it needs at least {floor}"
             + (f" for one sequence of max_model_len {max_model_len}" if max_len_given else "")
-            + f" ({_gib(floor * per_block)}): raise --kv-cache-memory-gb or "
-            "--gpu-memory-utilization" + (", or lower --max-model-len" if max_len_given else "")
+            + f" ({_gib(floor * per_block)}): raise {field}"
+            + (" or lower --max-model-len" if max_len_given else "")
         )
     return num
 

@@ -11,6 +11,7 @@ from engine.kvcache.kv_budget import (
     activation_reserve_bytes,
     kv_budget_bytes,
     num_blocks_for,
+    sized_by,
 )
 
 
@@ -59,6 +60,10 @@ def test_num_blocks_and_the_too_small_errors():
     # 10 blocks of 16 tokens hold 160 tokens: max_model_len 161 given does not fit.
     with pytest.raises(ValueError, match=r"holds 10 blocks; it needs at least 11 .* max_model_len"):
         num_blocks_for(10 * 1000, 1000, 16, 161, True)
+    field = sized_by(DeviceMemory(1, 1, 0, 0), None)
+    with pytest.raises(ValueError, match=r"raise --gpu-memory-utilization .* lower --max-model"):
+        num_blocks_for(10 * 1000, 1000, 16, 161, True, field)
+    assert sized_by(None, None) == sized_by(DeviceMemory(1, 1, 0, 0), 2.0)
     # defaulted from the model: lowered later (cache_plan), not refused...
     assert num_blocks_for(10 * 1000, 1000, 16, 8192, False) == 10
     # ...unless fewer than 2 blocks (or none)
