@@ -7,8 +7,11 @@ median time from triton.testing.do_bench, achieved TFLOP/s and GB/s and their fr
 ceilings measured first (a large device-to-device copy for GB/s, a large bf16 matmul for TFLOP/s),
 GPU name, memory and clocks from NVML. Every timed case is also checked against the torch
 reference (on a slice of it where the reference would be slow), after a correctness sweep over
-odd shapes (group 3, head_dim 80/96, block sizes 8-128, fp32/fp16/bf16) that also proves each
-kernel variant compiles. Without a GPU only a small sweep runs, through the Triton interpreter.
+odd shapes (group 3, head_dim 80/96, block sizes 8-128, fp32/fp16/bf16; the int8 GEMM at 1-130
+rows, widths not a multiple of its tile, odd output counts) that also proves each kernel variant
+compiles. The int8 GEMM's timed cases are Llama-3-8B's projections from 1 row (decode: weight
+bytes, % BW) to 8,192 (prefill: % of the bf16 matmul ceiling). Without a GPU only a small sweep
+runs, through the Triton interpreter.
 ``--aot [SM ...]`` instead compiles every kernel variant the launchers pick for CUDA targets
 (default sm_90; no GPU needed) and prints shared memory, registers and spills from ptxas: what
 the interpreter cannot tell. CI runs ``--aot 90 80`` (make test).
