@@ -7,8 +7,14 @@ They never read tensor values: that would cost a device sync on every call.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import triton
+
+F = TypeVar("F", bound=Callable)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -72,11 +78,36 @@ def check_devices(kernel, **tensors: torch.Tensor) -> torch.device:
     return device
 
 
+def device_to_enter(args: tuple, current: Callable[[], int]) -> torch.device | None:
+    """The CUDA device a launch must make current: its first tensor argument's, when that is a
+    CUDA device other than ``current()``; None when the launch can run as it is."""
+    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if t is None or t.device.type != "cuda" or t.device.index in (None, current()):
+        return None
+    return t.device
+
+
+def on_tensor_device(launcher: F) -> F:
+    """Run a Triton launcher with its first tensor's CUDA device current (Triton launches on the
+    current device): the engine's own thread has its ``--device cuda:N`` current already
+    (engine/core/device_memory.py select_device), but other threads (a KV pool's loader, a
+    caller's) start on cuda:0. Costs one ``torch.cuda.current_device()`` when nothing changes."""
+
+    @functools.wraps(launcher)
+    def run(*args, **kwargs):
+        device = device_to_enter(args, torch.cuda.current_device)
+        if device is None:
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(device):
+            return launcher(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
 def check_current_device(name: str, device: torch.device, current: int) -> None:
     """Triton launches on the *current* CUDA device whatever its tensors' device: a kernel given
-    cuda:1 tensors while cuda:0 is current would read another GPU's addresses. The engine makes
-    its device current at start (engine/core/device_memory.py select_device); a launch from
-    elsewhere must do the same (``torch.cuda.set_device`` or ``with torch.cuda.device(...)``)."""
+    cuda:1 tensors while cuda:0 is current would read another GPU's addresses. The launchers
+    run under ``on_tensor_device``, so this only fails for one that does not."""
     index = device.index if device.index is not None else current
     if index != current:
         raise ValueError(

@@ -16,6 +16,7 @@ from engine.kernels._launch import (
     dot_in_f32,
     dot_precision,
     num_sms,
+    on_tensor_device,
     pad_dim,
 )
 from engine.kernels.paged_gather import gather_blocks
@@ -362,6 +363,7 @@ def decode_attention_native(
     return out
 
 
+@on_tensor_device
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -29,6 +29,7 @@ from engine.kernels._launch import (
     check_tensor,
     dot_in_f32,
     dot_precision,
+    on_tensor_device,
 )
 
 # Rows up to which torch's weight-streaming kernel beats dequantize + 16-bit GEMM (measured on
@@ -197,6 +198,7 @@ def int8_matmul_config(rows: int, dtype: torch.dtype) -> tuple[int, int, int, in
     return 128, 128, 64, 8, 3
 
 
+@on_tensor_device
 def int8_matmul_triton(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 ) -> torch.Tensor:

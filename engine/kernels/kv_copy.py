@@ -10,7 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor
+from engine.kernels._launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_tensor,
+    on_tensor_device,
+)
 
 
 def kv_gather_ref(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -114,6 +120,7 @@ def _copy(cache, block_ids, staging, gather: bool, staging_name: str) -> None:
     )
 
 
+@on_tensor_device
 def kv_gather_triton(
     cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
@@ -128,6 +135,7 @@ def kv_gather_triton(
     return out
 
 
+@on_tensor_device
 def kv_scatter_triton(src: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor) -> None:
     """Same contract as kv_scatter_ref. With duplicate ids one source wins, unspecified which."""
     if isinstance(src, torch.Tensor) and isinstance(cache, torch.Tensor):

@@ -11,6 +11,7 @@ from engine.kernels._launch import (
     INDEX_DTYPES,
     check_devices,
     check_tensor,
+    on_tensor_device,
     paged_cache_strides,
 )
 
@@ -75,6 +76,7 @@ def _kv_store_kernel(
     tl.store(v_dst, v, mask=mask)
 
 
+@on_tensor_device
 def kv_store_triton(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -23,6 +23,7 @@ from engine.kernels._launch import (
     check_tensor,
     dot_in_f32,
     dot_precision,
+    on_tensor_device,
     pad_dim,
 )
 from engine.kernels.paged_gather import gather_blocks
@@ -246,6 +247,7 @@ def prefill_config(
     )
 
 
+@on_tensor_device
 def prefill_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,

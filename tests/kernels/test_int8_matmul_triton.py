@@ -110,15 +110,3 @@ def test_the_dispatcher_takes_the_triton_kernel_where_triton_serves(monkeypatch)
     monkeypatch.setenv("ENGINE_KERNELS", "auto")
     kernels.int8_matmul(x, qw.qweight, qw.scales)  # a CPU tensor: not Triton
     assert calls == [1]
-
-
-def test_a_launch_on_a_device_that_is_not_current_is_refused():
-    # Triton launches on the current CUDA device: tensors on another GPU must be refused before
-    # the kernel reads the wrong GPU's addresses (check_devices calls this with
-    # torch.cuda.current_device()).
-    from engine.kernels._launch import check_current_device
-
-    check_current_device("x", torch.device("cuda:1"), 1)
-    check_current_device("x", torch.device("cuda"), 3)
-    with pytest.raises(ValueError, match=r"x is on cuda:1 .* current CUDA device is cuda:0"):
-        check_current_device("x", torch.device("cuda:1"), 0)
