@@ -199,9 +199,16 @@ def step_pool(args) -> dict:
 def step_pd(args) -> dict:
     import asyncio
 
+    import torch
+
+    from engine.cluster.gpu_placement import worker_gpu_argv
     from engine.cluster.launcher import Cluster
 
-    worker_args = ["--model", args.model, "--device", args.device]
+    # Both workers on the one GPU, each with half the default share of its memory.
+    visible = torch.cuda.device_count()
+    one = 1 if visible and args.device in ("cuda", "auto") else None
+    gpus = worker_gpu_argv(1, 1, visible, args.device, 0.85, one)
+    worker_args = ["--model", args.model] + ([] if gpus else ["--device", args.device])
     if args.kv_gb is not None:
         worker_args += ["--kv-cache-memory-gb", str(args.kv_gb)]
     colocated = json.loads((args.out / "greedy.json").read_text())["rows"]
@@ -216,7 +223,7 @@ def step_pd(args) -> dict:
         return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
 
     t0 = time.perf_counter()
-    with Cluster(1, 1, worker_args=worker_args, start_timeout=args.timeout) as cluster:
+    with Cluster(1, 1, worker_args, worker_gpus=gpus, start_timeout=args.timeout) as cluster:
         started = time.perf_counter() - t0
         tokens = asyncio.run(run(cluster.router))
     equal = [t == c["tokens"] for t, c in zip(tokens, colocated, strict=True)]

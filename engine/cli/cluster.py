@@ -213,17 +213,16 @@ def worker_argv(args: argparse.Namespace, placed: bool = False) -> list[str]:
 def worker_gpus(args: argparse.Namespace, visible_gpus: int) -> dict[str, list[str]] | None:
     """Each worker's ``--device cuda:I --gpu-memory-utilization U`` by worker id
     (engine/cluster/gpu_placement.py), or None where the workers run on the CPU."""
-    from engine.cluster.gpu_placement import place_workers
+    from engine.cluster.gpu_placement import worker_gpu_argv
 
-    ids = [f"prefill-{i}" for i in range(args.prefill)] + [
-        f"decode-{i}" for i in range(args.decode)
-    ]
-    placed = place_workers(
-        len(ids), visible_gpus, args.device, args.gpu_memory_utilization, args.gpus
+    return worker_gpu_argv(
+        args.prefill,
+        args.decode,
+        visible_gpus,
+        args.device,
+        args.gpu_memory_utilization,
+        args.gpus,
     )
-    if placed is None:
-        return None
-    return {worker_id: gpu.argv() for worker_id, gpu in zip(ids, placed, strict=True)}
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

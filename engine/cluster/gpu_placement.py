@@ -67,3 +67,20 @@ def place_workers(
                 f"on cuda:{g} leaves each nothing"
             )
     return [WorkerGpu(f"cuda:{g}", share[g]) for g in chosen]
+
+
+def worker_gpu_argv(
+    prefill: int,
+    decode: int,
+    visible_gpus: int,
+    device: str,
+    utilization: float,
+    gpus: int | None = None,
+) -> dict[str, list[str]] | None:
+    """``place_workers`` for the launcher's workers (``prefill-I`` then ``decode-I``): each
+    worker id's ``--device cuda:I --gpu-memory-utilization U``, or None on the CPU."""
+    ids = [f"prefill-{i}" for i in range(prefill)] + [f"decode-{i}" for i in range(decode)]
+    placed = place_workers(len(ids), visible_gpus, device, utilization, gpus)
+    if placed is None:
+        return None
+    return {worker_id: gpu.argv() for worker_id, gpu in zip(ids, placed, strict=True)}

@@ -11,7 +11,7 @@ import pytest
 import engine.cluster.launcher as launcher
 from engine.cli.cluster import add_cluster_commands, worker_argv, worker_gpus
 from engine.cli.engine_options import add_engine_options
-from engine.cluster.gpu_placement import WorkerGpu, place_workers
+from engine.cluster.gpu_placement import WorkerGpu, place_workers, worker_gpu_argv
 
 
 def cluster_args(*words: str) -> argparse.Namespace:
@@ -143,3 +143,12 @@ def test_the_launcher_puts_all_on_one_gpu_or_keeps_the_cpu(monkeypatch):
     cmds = launched(monkeypatch, [], visible=0)  # auto on a CPU machine: as before
     for cmd in cmds.values():
         assert option(cmd, "--device") == [] and option(cmd, "--gpu-memory-utilization") == []
+
+
+def test_worker_ids_get_their_options():
+    # profiling/gpu_e2e.py's 1 prefill + 1 decode on one GPU
+    assert worker_gpu_argv(1, 1, 1, "cuda", 0.85, 1) == {
+        "prefill-0": ["--device", "cuda:0", "--gpu-memory-utilization", "0.425"],
+        "decode-0": ["--device", "cuda:0", "--gpu-memory-utilization", "0.425"],
+    }
+    assert worker_gpu_argv(1, 1, 0, "cpu", 0.85) is None
