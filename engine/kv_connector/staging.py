@@ -28,6 +28,7 @@ import xxhash
 
 from engine.ipc.process_id import remove_orphan_files
 from engine.ipc.shm_names import check_shm_path
+from engine.kv_connector.device_copy import HostCopier
 
 ARENA_PREFIX = "engine-kvstage-"  # the pool's arenas are engine-kv-<hex>
 ALIGN = 64
@@ -133,10 +134,12 @@ class StagingArena:
 
 
 class PeerArenas:
-    """A prefill worker's maps of decode workers' arenas (same host), opened on first use."""
+    """A prefill worker's maps of decode workers' arenas (same host), opened on first use.
+    ``copier`` pins each map while it is open (``cudaHostRegister`` when the cache is on CUDA)."""
 
-    def __init__(self) -> None:
+    def __init__(self, copier: HostCopier | None = None) -> None:
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._copier = copier
 
     def get(self, path: str) -> torch.Tensor:
         if path not in self._maps:
@@ -146,17 +149,23 @@ class PeerArenas:
                 mm = mmap.mmap(fd, os.fstat(fd).st_size)
             finally:
                 os.close(fd)
-            self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+            buf = torch.frombuffer(mm, dtype=torch.uint8)
+            if self._copier is not None:
+                self._copier.register(buf)
+            self._maps[path] = (mm, buf)
         return self._maps[path][1]
 
     def forget(self, path: str) -> None:
         entry = self._maps.pop(path, None)
         if entry is not None:
+            if self._copier is not None:
+                self._copier.unregister(entry[1])
             del entry
             # the map closes when the last view is gone
 
     def close(self) -> None:
-        self._maps.clear()
+        for path in list(self._maps):
+            self.forget(path)
 
 
 def remove_stale_arenas(pids: list[int]) -> int:
@@ -189,7 +198,8 @@ def _runs(table: list[int] | torch.Tensor, start: int, end: int, bs: int):
 
 
 def _slots(table: torch.Tensor, a: int, b: int, bs: int) -> torch.Tensor:
-    tok = torch.arange(a, b)
+    """The cache slots of tokens [a, b), on the table's device (the cache's)."""
+    tok = torch.arange(a, b, device=table.device)
     return table[tok // bs] * bs + tok % bs
 
 
