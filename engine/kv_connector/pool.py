@@ -13,7 +13,11 @@ on a disk or a socket: when more than ``max_write_bytes`` are queued, further sa
 and counted.
 
 Staging layout: [n, layers, 2, block_size, kv_heads, head_dim], so each block's KV for every
-layer is one contiguous record of ``block_bytes``.
+layer is one contiguous record of ``block_bytes``. Staging tensors are host memory; the copier
+(``device_copy.py``, chosen by the cache's device) moves them: on the CPU the gather writes the
+staging tensor and the scatter reads it directly; on CUDA they are pinned, a batch's copy runs on
+the copy stream with an event (the writer thread waits for a save's before reading it; the
+forward's stream waits for a load's before the next step reads the blocks).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from engine.kernels import kv_gather, kv_scatter
 from engine.kv_connector.base import KVConnector, LoadDone
+from engine.kv_connector.device_copy import HostCopier, Ready, make_copier
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +63,14 @@ class PoolConnector(KVConnector):
         max_loads: int = 256,
         max_write_bytes: int = 256 << 20,
         known_keys: int = 1 << 16,
+        copier: HostCopier | None = None,
     ) -> None:
         """store: a BlockStore (engine/kvstore/block_store.py); kv_cache: the paged cache tensor
-        [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        [layers, 2, num_blocks, block_size, kv_heads, head_dim]; copier: how blocks reach host
+        memory (default: the one for the cache's device)."""
         self.store = store
         self.kv = kv_cache
+        self.copier = make_copier(kv_cache.device) if copier is None else copier
         self.block_size = block_size
         layers, two, _, bs, heads, dim = kv_cache.shape
         self.block_shape = (layers, two, bs, heads, dim)
@@ -136,9 +144,7 @@ class PoolConnector(KVConnector):
                 continue
             del self._active[job.request_id]
             if job.loaded:
-                ids = torch.tensor(job.block_ids[: job.loaded], dtype=torch.long)
-                src = job.staging[: job.loaded].to(self.kv.device).permute(1, 2, 0, 3, 4, 5)
-                kv_scatter(src, ids.to(self.kv.device), self.kv)
+                self._scatter(job.staging[: job.loaded], job.block_ids[: job.loaded])
                 self._remember(job.keys[: job.loaded])
             self.counters["loaded_blocks"] += job.loaded
             if job.error is not None:
@@ -147,6 +153,24 @@ class PoolConnector(KVConnector):
                 LoadDone(job.request_id, job.loaded * self.block_size, job.sources, job.error)
             )
         return out
+
+    def _scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Loaded blocks (host staging [n, layers, 2, ...]) into cache blocks block_ids. The
+        staging tensor is the host allocator's (pinned on CUDA): it outlives the copy."""
+        ids = self.copier.index(block_ids)
+        self.copier.fill_device(
+            staging, lambda src: kv_scatter(src.permute(1, 2, 0, 3, 4, 5), ids, self.kv)
+        )
+
+    def _gather(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, Ready]:
+        """Cache blocks block_ids into a new host staging tensor [n, layers, 2, ...], and when
+        its bytes are there."""
+        ids = self.copier.index(block_ids)
+        staging = self.copier.host_empty((len(block_ids), *self.block_shape), self.kv.dtype)
+        ready = self.copier.fill_host(
+            staging, lambda out: kv_gather(self.kv, ids, out.permute(1, 2, 0, 3, 4, 5))
+        )
+        return staging, ready
 
     def wait(self, timeout: float) -> None:
         with self._cv:
@@ -176,14 +200,10 @@ class PoolConnector(KVConnector):
                 self.counters["dropped_writes"] += len(picked)
                 return
             self._write_bytes += nbytes
-        ids = torch.tensor([b for _, _, b in picked], dtype=torch.long, device=self.kv.device)
-        staging = torch.empty(
-            (len(picked), *self.block_shape), dtype=self.kv.dtype, device=self.kv.device
-        )
-        kv_gather(self.kv, ids, staging.permute(1, 2, 0, 3, 4, 5))
+        staging, ready = self._gather([b for _, _, b in picked])
         keys = [h for _, h, _ in picked]
         self._remember(keys)
-        self._writes.put((keys, [p for p, _, _ in picked], staging, nbytes))
+        self._writes.put((keys, [p for p, _, _ in picked], staging, ready, nbytes))
 
     def _remember(self, keys: Sequence[bytes]) -> None:
         with self._known_lock:
@@ -213,7 +233,7 @@ class PoolConnector(KVConnector):
 
     def _load(self, job: _LoadJob) -> None:
         n = len(job.keys)
-        job.staging = torch.empty((n, *self.block_shape), dtype=self.kv.dtype)
+        job.staging = self.copier.host_empty((n, *self.block_shape), self.kv.dtype)
         rows = job.staging.view(torch.uint8).numpy().reshape(n, -1)
         get_many = getattr(self.store, "get_many", None)  # reads SSD records ahead
         for start in range(0, n, _LOAD_WINDOW):
@@ -242,7 +262,8 @@ class PoolConnector(KVConnector):
             item = self._writes.get()
             if item is _STOP:
                 return
-            keys, positions, staging, nbytes = item
+            keys, positions, staging, ready, nbytes = item
+            ready.wait()  # the batch's device-to-host copy
             stored = self._put(keys, positions, staging)
             self.counters["saved_blocks"] += sum(stored)
             self.counters["failed_writes"] += len(keys) - sum(stored)
@@ -253,7 +274,7 @@ class PoolConnector(KVConnector):
 
     def _put(self, keys, positions, staging) -> list[bool]:
         try:
-            rows = staging.cpu().view(torch.uint8).numpy().reshape(len(keys), -1)
+            rows = staging.view(torch.uint8).numpy().reshape(len(keys), -1)  # host memory
             datas = [memoryview(row) for row in rows]
             put_many = getattr(self.store, "put_many", None)  # batches for a remote tier
             if put_many is not None:

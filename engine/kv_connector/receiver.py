@@ -41,6 +41,7 @@ from engine.cluster import messages as m
 from engine.ipc import curve
 from engine.ipc.process_id import identify, is_gone
 from engine.kv_connector.base import KVConnector, LoadDone, WrapsPool
+from engine.kv_connector.device_copy import HostCopier, make_copier
 from engine.kv_connector.staging import KVLayout, StagingArena, checksum, scatter_tokens
 from engine.kv_connector.transfer_state import Transfer
 
@@ -61,6 +62,7 @@ class KVReceiver(WrapsPool):
         remote_writes: bool | None = None,
         inner: KVConnector | None = None,
         local_writers: bool | None = None,
+        copier: HostCopier | None = None,
     ) -> None:
         """remote_writes: senders write into the arena themselves (shared memory, Mooncake), so
         an area released before its sender is done is quarantined. Default: the arena is shared.
@@ -68,8 +70,11 @@ class KVReceiver(WrapsPool):
         quarantine ends as soon as the sender's process is gone. Default: the arena is shared.
         Over Mooncake a peer's NIC writes: the quarantine runs its course (KVDone, KVAbort or
         QUARANTINE_S). inner: the worker's KV pool (saves, and loads of requests without a
-        transfer)."""
+        transfer). copier: how staged KV reaches the cache (default: the one for its device; on
+        CUDA the arena, which TCP frames are received into too, is registered as pinned)."""
         self.kv = kv_cache
+        self.copier = make_copier(kv_cache.device) if copier is None else copier
+        self.copier.register(arena.buf)
         self.inner = inner
         self.per_layer = inner is not None and inner.per_layer
         self._inner_loads: set[str] = set()  # requests whose lookup the pool answered
@@ -279,8 +284,13 @@ class KVReceiver(WrapsPool):
         L, T = t.layout.num_layers, t.layout.num_tokens
         staged = self.arena.view(t.offset, t.layout.nbytes).view(self.kv.dtype)
         staged = staged.view(L, 2, T, *self.kv.shape[4:])[:, :, start : start + n]
-        table_t = torch.tensor(table, dtype=torch.long, device=self.kv.device)
-        scatter_tokens(staged.to(self.kv.device), self.kv, table_t, start)
+        table_t = self.copier.index(table)
+        ready = self.copier.fill_device(
+            staged, lambda s: scatter_tokens(s, self.kv, table_t, start)
+        )
+        # The area may be freed (and written by the next sender) once this returns: registered
+        # memory is not the caching host allocator's, which would hold it until the copy read it.
+        ready.wait()
 
     def request_finished(self, req) -> None:
         with self._lock:
@@ -301,6 +311,8 @@ class KVReceiver(WrapsPool):
         self._stop.set()
         self._thread.join(timeout=5.0)
         self._sock.close(linger=0)
+        if self.arena.buf is not None:  # the worker closes the arena after its connector
+            self.copier.unregister(self.arena.buf)
         if self.inner is not None:
             self.inner.close()
             self.inner = None

@@ -11,6 +11,11 @@ tokens (and, on the first chunk, any prefix the prefill worker found cached) lea
   as two raw ZeroMQ frames (K rows, V rows) without a copy, and ZeroMQ's IO thread writes them
   while layer i+1 computes.
 
+A cache on a GPU goes through its copier (``device_copy.py``): the layer is gathered on a copy
+stream once the forward's stream has queued its KV store, copied into the (registered) staging
+area or a pinned buffer, and the sender thread waits for that copy's event and hashes the bytes,
+so neither the forward's stream nor the engine thread waits for the copy.
+
 Either way layer i is on its way while layer i+1 computes. ``finish`` queues ``KVDone`` (the
 first tokens and the sampler state) behind the request's last layer on the same socket, so the
 decode worker sees it after every layer. Sends never block the step loop: a decode worker that
@@ -25,7 +30,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +40,7 @@ from engine.cluster import messages as m
 from engine.ipc import curve
 from engine.kv_connector import faults
 from engine.kv_connector.base import KVConnector, LoadDone, StepBlocks, WrapsPool
+from engine.kv_connector.device_copy import HostCopier, Ready, make_copier
 from engine.kv_connector.staging import KVLayout, PeerArenas, checksum, gather_tokens
 
 log = logging.getLogger(__name__)
@@ -78,8 +84,11 @@ class KVSender(WrapsPool):
         send_timeout: float = 30.0,
         max_queue: int = 1024,
         mooncake=None,
+        copier: HostCopier | None = None,
     ) -> None:
+        """copier: how KV reaches host memory (default: the one for the cache's device)."""
         self.kv = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self.copier = make_copier(kv_cache.device) if copier is None else copier
         self.block_size = block_size
         self.inner = inner
         self.mooncake = mooncake  # a MooncakeEndpoint, for --kv-transport mooncake
@@ -89,7 +98,7 @@ class KVSender(WrapsPool):
         self.token_bytes = heads * dim * kv_cache.element_size()
         self._targets: dict[str, SendTarget] = {}  # by request id
         self._following: dict[str, SendTarget] = {}  # by followed engine request id
-        self._peers = PeerArenas()
+        self._peers = PeerArenas(self.copier)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         # TCP send buffers: reused once ZeroMQ is done with them (its tracker says so).
         self._returns: deque = deque()  # (tracker, buffer), appended by the sender thread
@@ -157,8 +166,16 @@ class KVSender(WrapsPool):
         start = t.sent[layer]
         if upto <= start:
             return
-        table_t = torch.tensor(table, dtype=torch.long, device=self.kv.device)
+        table_t = self.copier.index(table)
         layer_kv = self.kv[layer]  # [2, blocks, block_size, heads, dim]
+
+        def gather(kv: int) -> Callable[[torch.Tensor], None]:
+            return lambda out: gather_tokens(layer_kv[kv], table_t, start, upto, out)
+
+        def gather_both(out: torch.Tensor) -> None:  # out [2, n, heads, dim]: K rows, V rows
+            for kv in (0, 1):
+                gather_tokens(layer_kv[kv], table_t, start, upto, out[kv])
+
         n = upto - start
         row = layer_kv.shape[3:]
         if t.transport == "shm":
@@ -175,16 +192,14 @@ class KVSender(WrapsPool):
                 off, length = t.layout.run(layer, kv, start, upto)
                 dst = arena[t.offset + off : t.offset + off + length].view(self.kv.dtype)
                 dst = dst.view(n, *row)
-                gather_tokens(layer_kv[kv], table_t, start, upto, dst)
+                ready = self.copier.fill_host(dst, gather(kv))  # in order: the last covers both
                 views.append(dst)
-            item = ("layer", t, layer, start, upto, views, self._hot_hash(views))
         else:
-            buf = self._buffer((2, n, *row))
-            for kv in (0, 1):
-                gather_tokens(layer_kv[kv], table_t, start, upto, buf[kv])
-            item = ("layer", t, layer, start, upto, [buf], self._hot_hash([buf]))
+            views = [self._buffer((2, n, *row))]
+            ready = self.copier.fill_host(views[0], gather_both)
+        crc = self._hot_hash(views) if self.copier.on_host else None  # else the sender thread's
         t.sent[layer] = upto
-        self._put(t, item)
+        self._put(t, ("layer", t, layer, start, upto, views, crc, ready))
 
     @staticmethod
     def _hot_hash(bufs) -> int:
@@ -207,7 +222,7 @@ class KVSender(WrapsPool):
             buf = free.pop()
             self._pool_bytes -= buf.numel() * buf.element_size()
             return buf.view(shape)
-        return torch.empty(shape, dtype=self.kv.dtype, device="cpu")
+        return self.copier.host_empty(shape, self.kv.dtype)  # pinned for a GPU's copies
 
     def _put(self, t: SendTarget, item) -> None:
         try:
@@ -259,7 +274,9 @@ class KVSender(WrapsPool):
                 if t.failed:
                     continue
                 if item[0] == "layer":
-                    _, t, layer, start, end, bufs, crc = item
+                    _, t, layer, start, end, bufs, crc, ready = item
+                    if crc is None:  # a device's copy: hashed once its bytes are here
+                        crc = self._hash_when_ready(bufs, ready)
                     parts = [b.reshape(-1).view(torch.uint8).numpy() for b in bufs]
                     header = m.KVLayer(t.request_id, layer, start, end, crc, t.transport == "tcp")
                     if self.faults is not None and (header := self.faults.layer(header)) is None:
@@ -299,6 +316,11 @@ class KVSender(WrapsPool):
         finally:
             for s in socks.values():
                 s.close(linger=0)
+
+    @classmethod
+    def _hash_when_ready(cls, bufs: list[torch.Tensor], ready: Ready) -> int:
+        ready.wait()
+        return cls._hot_hash(bufs)
 
     def _write_remote(self, t: SendTarget, h: m.KVLayer, buf: torch.Tensor) -> bool:
         """buf [2, n, heads, dim]: its K and V rows into the decode worker's staging area."""
