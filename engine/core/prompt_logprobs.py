@@ -23,6 +23,26 @@ from engine.outputs import Logprob
 ROWS_PER_SLICE = 256
 
 
+class SliceLogprobs(NamedTuple):
+    """One slice of positions' entries, in host memory."""
+
+    chosen: torch.Tensor  # [n] the logprob of each target token
+    ranks: torch.Tensor  # [n] its rank (1: the most likely)
+    top_values: torch.Tensor  # [n, k] the k best logprobs, best first
+    top_ids: torch.Tensor  # [n, k] their token ids
+
+
+def slice_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> SliceLogprobs:
+    """The entries of rows ``logits`` [n, vocab] (on the model's device) predicting ``targets``,
+    computed where the logits are and copied to host memory once per tensor."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(targets, dtype=torch.long).to(logprobs.device)
+    chosen = logprobs.gather(1, index[:, None])
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], index[:, None][:, :0])
+    return SliceLogprobs(chosen[:, 0].cpu(), ranks.cpu(), top_values.cpu(), top_ids.cpu())
+
+
 class PromptRows(NamedTuple):
     """Rows of one step's flat batch whose logits give prompt logprobs of ``request``."""
 
@@ -59,19 +79,11 @@ def fill_prompt_logprobs(
         for lo in range(0, w.count, ROWS_PER_SLICE):
             n = min(ROWS_PER_SLICE, w.count - lo)
             rows = hidden[w.first_row + lo : w.first_row + lo + n]
-            logprobs = torch.log_softmax(compute_logits(rows).float(), dim=-1)
             pos = w.first_position + lo
-            targets = torch.tensor(req.prompt_token_ids[pos + 1 : pos + 1 + n])
-            chosen = logprobs.gather(1, targets[:, None])
-            ranks = (logprobs > chosen).sum(dim=1) + 1
-            if k:
-                top = logprobs.topk(k, dim=-1)
-                top_v, top_i = top.values.tolist(), top.indices.tolist()
-            else:
-                top_v = top_i = [[]] * n
-            for j, (t, v, r) in enumerate(
-                zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist())
-            ):
+            targets = req.prompt_token_ids[pos + 1 : pos + 1 + n]
+            got = slice_logprobs(compute_logits(rows), targets, k)
+            top_v, top_i = got.top_values.tolist(), got.top_ids.tolist()
+            for j, (t, v, r) in enumerate(zip(targets, got.chosen.tolist(), got.ranks.tolist())):
                 entry = {
                     tid: Logprob(val, rank, token_text(tid))
                     for rank, (tid, val) in enumerate(zip(top_i[j], top_v[j]), start=1)

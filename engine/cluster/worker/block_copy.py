@@ -43,6 +43,19 @@ def block_bytes(kv: torch.Tensor) -> int:
     return kv[:, :, 0].numel() * kv.element_size()
 
 
+def read_blocks(kv: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+    """Cache blocks ``blocks`` of every layer, [layers, 2, n, block_size, kv_heads, head_dim], in
+    host memory: gathered where the cache is, then copied to the host once."""
+    ids = torch.tensor(list(blocks), dtype=torch.long).to(kv.device)
+    return kv.index_select(2, ids).cpu()
+
+
+def write_blocks(kv: torch.Tensor, blocks: Sequence[int], data: torch.Tensor) -> None:
+    """The inverse: ``data`` [layers, 2, n, ...] (host memory) into cache blocks ``blocks``."""
+    ids = torch.tensor(list(blocks), dtype=torch.long).to(kv.device)
+    kv.index_copy_(2, ids, data.to(kv.device))
+
+
 def cached_blocks(engine, token_ids: Sequence[int]) -> list[int]:
     """The cache blocks holding the leading whole blocks of ``token_ids`` (a hit confirmed by
     tokens), up to the first miss."""
@@ -62,8 +75,7 @@ def gather_blocks(engine, token_ids: Sequence[int], start_block: int) -> Gathere
     blocks = cached_blocks(engine, token_ids)[start_block:]
     if not blocks:
         return Gathered(0, b"")
-    kv = engine.cache.kv
-    data = kv[:, :, blocks].contiguous()
+    data = read_blocks(engine.cache.kv, blocks)
     return Gathered(len(blocks), data.view(torch.uint8).numpy().tobytes())
 
 
@@ -102,7 +114,7 @@ def store_blocks(
         src = src.view(kv.shape[0], kv.shape[1], num_blocks, *kv.shape[3:])
         blocks = pool.allocate(len(room))
         rows = torch.tensor([i - start_block for i in room])
-        kv[:, :, blocks] = src[:, :, rows].to(kv.device)
+        write_blocks(kv, blocks, src[:, :, rows])
         for i, block in zip(room, blocks):
             pool.cache(block, hashes[i], tokens[i * bs : (i + 1) * bs])
         pool.free(reversed(blocks))  # unreferenced: cached, evictable, the tail first
