@@ -180,12 +180,14 @@ class SamplingBatch:
         )
 
 
+# Made on the host and moved, as ``torch.tensor(..., device=)`` does inside, but through the
+# dispatcher, so the device tests' fake accelerator (tests/fake_device.py) sees it.
 def _index(values: list[int], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long).to(device)
 
 
 def _column(values: list[float], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return torch.tensor(values, dtype=torch.float32).to(device).unsqueeze(1)
 
 
 def _random_rows(
@@ -296,7 +298,7 @@ class Sampler:
         out: list[TokenLogprob | None] = [None] * b.num_rows
         if not b.logprob_rows:
             return out
-        rows = torch.tensor(b.logprob_rows, device=logits.device)
+        rows = _index(b.logprob_rows, logits.device)
         lp = torch.log_softmax(logits[rows].float(), dim=-1)
         chosen_ids = tokens[rows]
         chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
