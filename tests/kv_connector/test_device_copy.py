@@ -192,3 +192,29 @@ def test_cuda_registers_host_memory_and_unregisters_only_what_it_registered(err)
         assert calls == [("register", buf.data_ptr(), 64, 0), ("unregister", buf.data_ptr())]
     else:  # pageable then: the copies are synchronous, still correct
         assert calls == [("register", buf.data_ptr(), 64, 0)] * 2
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_cuda_copies_round_trip_on_a_gpu():
+    from engine.kv_connector.staging import StagingArena
+
+    c = make_copier("cuda")
+    cache = torch.randn(8, 4, device="cuda")
+    host = c.host_empty((3, 4), torch.float32)
+    assert host.is_pinned()
+    ids = c.index([5, 0, 2])
+    c.fill_host(host, lambda out: torch.index_select(cache, 0, ids, out=out)).wait()
+    assert torch.equal(host, cache[[5, 0, 2]].cpu())
+    back = torch.zeros_like(cache)
+    c.fill_device(host, lambda src: back.index_copy_(0, ids, src)).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(back[[5, 0, 2]], cache[[5, 0, 2]])
+    arena = StagingArena(1 << 20, shared=True)
+    try:
+        assert c.register(arena.buf)
+        c.unregister(arena.buf)
+    finally:
+        arena.close()

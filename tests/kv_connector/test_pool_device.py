@@ -59,10 +59,21 @@ def test_gather_and_scatter_on_the_device():
         pool.close()
 
 
-@pytest.mark.parametrize("copier", [HostCopier("cpu"), DeviceCopier("cpu")], ids=["host", "staged"])
-def test_save_then_load_round_trips(copier):
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize(
+    "device, copier",
+    [
+        ("cpu", HostCopier("cpu")),
+        ("cpu", DeviceCopier("cpu")),
+        pytest.param("cuda", None, marks=needs_cuda),  # the CUDA copier: copy stream, pinned
+    ],
+    ids=["host", "staged", "cuda"],
+)
+def test_save_then_load_round_trips(device, copier):
     g = torch.Generator().manual_seed(0)
-    kv = torch.randn(L, 2, NB, BS, H, D, generator=g)
+    kv = torch.randn(L, 2, NB, BS, H, D, generator=g).to(device)
     store = DictStore()
     pool = PoolConnector(store, kv, BS, copier=copier)
     try:

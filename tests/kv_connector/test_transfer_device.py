@@ -7,6 +7,8 @@ on CPU tensors through a copier that stages like a device's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from fake_device import DEVICE, fake_device
@@ -86,15 +88,20 @@ class WaitedCopier(DeviceCopier):
         return Waited()
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_staged_copy_is_hashed_by_the_sender_thread_and_arrives_intact(transport):
-    """The whole transfer with a copier that stages like a device's: the receiver checks every
-    layer's checksum, which the sender took after waiting for the copy."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_a_staged_copy_is_hashed_by_the_sender_thread_and_arrives_intact(transport, device):
+    """The whole transfer with a copier that stages like a device's (on a GPU: the CUDA copier,
+    copy stream and events): the receiver checks every layer's checksum, which the sender took
+    after waiting for the copy, and loads the staged KV into the cache."""
     g = torch.Generator().manual_seed(0)
-    src = torch.randn(L, 2, NB, BS, H, D, generator=g)
-    dst = torch.zeros(L, 2, NB, BS, H, D)
+    src = torch.randn(L, 2, NB, BS, H, D, generator=g).to(device)
+    dst = torch.zeros(L, 2, NB, BS, H, D, device=device)
     arena = StagingArena(1 << 20, shared=transport == "shm")
-    copier = WaitedCopier()
+    copier = WaitedCopier() if device == "cpu" else None
     rx = KVReceiver(dst, BS, arena, remote_writes=transport != "tcp")
     sender = KVSender(src, BS, copier=copier)
     try:
@@ -107,13 +114,25 @@ def test_a_staged_copy_is_hashed_by_the_sender_thread_and_arrives_intact(transpo
         sender.finish("r", m.KVDone("r", T, L, 0, [{"index": 0, "token": 1}]))
         assert rx.events.get(timeout=10) == "r"
         assert t.ok, t.error
-        assert copier.waits == 2 * L  # every piece waited for before its hash
+        assert copier is None or copier.waits == 2 * L  # each piece waited for before its hash
         staged = arena.view(t.offset, t.layout.nbytes).view(torch.float32).view(L, 2, T, H, D)
         want = torch.empty(T, H, D)
+        host = src.cpu()
         for layer in range(L):
             for kv in (0, 1):
-                gather_tokens(src[layer, kv], torch.tensor(TABLE), 0, T, want)
+                gather_tokens(host[layer, kv], torch.tensor(TABLE), 0, T, want)
                 assert torch.equal(staged[layer, kv], want)
+        rx.admit("r", ["r"])
+        req = SimpleNamespace(request_id="r", num_tokens=T + 1)
+        assert rx.lookup(req, [], 0) == T
+        rx.start_load(req, [1, 4, 6], 0, T)
+        (done,) = rx.finished_loads()
+        assert done.error is None
+        loaded = torch.empty(T, H, D)
+        for layer in range(L):
+            for kv in (0, 1):
+                gather_tokens(dst[layer, kv].cpu(), torch.tensor([1, 4, 6]), 0, T, loaded)
+                assert torch.equal(loaded, staged[layer, kv])
     finally:
         sender.close()
         rx.close()
