@@ -142,8 +142,13 @@ class CudaCopier(DeviceCopier):
             self.api.cudart().cudaHostUnregister(buf.data_ptr())
 
     def index(self, values: Sequence[int]) -> torch.Tensor:
-        with self.api.stream(self.stream()):  # allocated and copied where it is used
-            return super().index(values)
+        """Through pinned memory, without a wait: a blocking host-to-device copy synchronizes
+        its stream, which would hold the engine thread until the earlier layers' copies ended.
+        Made on the copy stream, where it is used (and its memory reused only after that)."""
+        host = self.host_empty((len(values),), torch.long)
+        host.copy_(torch.tensor(list(values), dtype=torch.long))
+        with self.api.stream(self.stream()):
+            return host.to(self.device, non_blocking=True)
 
     def _after_forward(self) -> Any:
         """The copy stream waits for the work queued so far on the forward's stream."""
