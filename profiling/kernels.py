@@ -527,6 +527,7 @@ def aot_compile(arch: int) -> int:
     mods += [sys.modules[f"engine.kernels.{n}"] for n in ("kv_store", "kv_copy", "int8_matmul")]
     for mod in mods:
         mod.check_devices = lambda *a, **k: torch.device("cpu")
+        mod.capability = lambda *a, **k: (arch // 10, arch % 10)  # configs chosen per target
     types = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     types |= {torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
     ptxas = get_ptxas(arch).path
@@ -562,9 +563,12 @@ def aot_compile(arch: int) -> int:
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
                 f.write(ptx)
                 f.flush()
-                cmd = [ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull]
+                suffix = "a" if arch >= 90 else ""  # sm_90a: wgmma; ptxas has no sm_80a
+                cmd = [ptxas, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o", os.devnull]
                 info = subprocess.run(cmd, capture_output=True, text=True).stderr
             regs = re.findall(r"Used (\d+) registers", info)
+            if not regs:  # ptxas refused the PTX or the target: nothing was checked
+                raise RuntimeError(f"ptxas -arch=sm_{arch}{suffix}: {info.strip()[:200]}")
             spills = re.findall(r"(\d+) bytes spill stores", info)
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "-"
             row = (fn.__name__, consts, warps, stages, kernel.metadata.shared, regs, spills, mma)

@@ -128,6 +128,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability kernels are compiled for: the device's; (9, 0) off CUDA (the
+    interpreter; profiling/kernels.py --aot replaces this function for each target)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    return (9, 0)
+
+
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -17,6 +17,7 @@ import triton.language as tl
 from engine.kernels._launch import (
     INDEX_DTYPES,
     attention_strides,
+    capability,
     check_devices,
     check_dot_shape,
     check_paged_attention,
@@ -222,28 +223,41 @@ class PrefillConfig(NamedTuple):
 
 
 def prefill_config(
-    max_seqlen_q: int, group: int, head_dim_pad: int, dtype: torch.dtype
+    max_seqlen_q: int,
+    group: int,
+    head_dim_pad: int,
+    dtype: torch.dtype,
+    capability: tuple[int, int] = (9, 0),
 ) -> PrefillConfig:
     """Tile sizes. Short queries (decode, small chunks) get the 16-row tile vLLM uses, so a q_len
     of 1 wastes little; long chunks get 64 or 128 rows for more reuse of each K/V tile. Head dims
     > 128 get smaller tiles to stay inside shared memory. fp32 runs IEEE fp32 dots on the CUDA
     cores, whose register use grows with the tile: the smallest tiles keep spills down (fp32 is
-    for checking, not for speed)."""
+    for checking, not for speed).
+
+    No variant may spill registers (``profiling/kernels.py --aot 90 80``, which CI runs, fails on
+    a spill; Triton 3.9): on sm_90 the 16-row tiles are not software-pipelined (2 stages spilled
+    4-8 bytes in five variants; their loops are short anyway); on sm_80 (mma.sync keeps the
+    accumulators in registers) the 64-row tiles of 128-wide heads take 32 keys at a time (head dim
+    96 spilled 72 bytes at 64) and fp32 keeps 2 stages (1 spilled 16 bytes)."""
+    hopper = capability >= (9, 0)
     if dtype == torch.float32:
         block_m, tile_n = 16, 16
     elif max_seqlen_q * group <= 32:
         block_m, tile_n = 16, 64 if head_dim_pad <= 128 else 32
     elif max_seqlen_q * group <= 128 or head_dim_pad > 128:
-        block_m, tile_n = 64, 64 if head_dim_pad <= 128 else 32
+        wide = head_dim_pad > 128 or (head_dim_pad == 128 and not hopper)
+        block_m, tile_n = 64, 32 if wide else 64
     else:
         block_m, tile_n = 128, 64
     block_m = max(block_m, triton.next_power_of_2(group))
+    pipelined = block_m > 16 or (dtype == torch.float32 and not hopper)
     return PrefillConfig(
         block_m=block_m,
         block_q=block_m // group,
         tile_n=tile_n,
         num_warps=8 if block_m >= 128 else 4,
-        num_stages=2,
+        num_stages=2 if pipelined else 1,
     )
 
 
@@ -296,7 +310,9 @@ def prefill_attention_triton(
 
     group = num_heads // num_kv_heads
     head_dim_pad = pad_dim(head_dim)
-    cfg = prefill_config(max_seqlen_q or num_tokens, group, head_dim_pad, q.dtype)
+    cfg = prefill_config(
+        max_seqlen_q or num_tokens, group, head_dim_pad, q.dtype, capability(q.device)
+    )
     check_dot_shape(cfg.block_m, cfg.tile_n, head_dim_pad)
     check_dot_shape(cfg.block_m, head_dim_pad, cfg.tile_n)
     grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads)

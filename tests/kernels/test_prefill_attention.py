@@ -72,6 +72,21 @@ def test_decode_only_uses_small_tile(dtype):
     check([1, 1, 1, 1], [1, 16, 33, 90], 9, 3, 64, 16, dtype, max_seqlen_q=1)
 
 
+def test_configs_per_architecture():
+    """What `profiling/kernels.py --aot 90 80` showed spill-free (it fails CI on a spill): sm_90
+    runs the 16-row tiles unpipelined; sm_80 takes 32 keys at a time for 64-row tiles of 128-wide
+    heads and pipelines fp32. The interpreter (no capability) uses sm_90's."""
+    hopper, ampere = (9, 0), (8, 0)
+    assert prefill_config(1, 3, 64, torch.bfloat16, hopper).num_stages == 1
+    assert prefill_config(100, 1, 128, torch.bfloat16, hopper)[:3] == (64, 64, 64)
+    assert prefill_config(100, 1, 128, torch.bfloat16, ampere)[:3] == (64, 64, 32)
+    assert prefill_config(100, 1, 128, torch.bfloat16, ampere).num_stages == 2
+    assert prefill_config(1, 3, 64, torch.float32, hopper).num_stages == 1
+    assert prefill_config(1, 3, 64, torch.float32, ampere).num_stages == 2
+    fp32 = (1, 3, 64, torch.float32)
+    assert prefill_config(*fp32) == prefill_config(*fp32, hopper)
+
+
 def test_long_chunk_uses_large_tile():
     assert prefill_config(150, 1, 128, torch.float16).block_m == 128
     check([150, 9], [21, 64], 4, 4, 128, 16, torch.float16, max_seqlen_q=150)
