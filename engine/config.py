@@ -222,6 +222,9 @@ class EngineConfig:
     # Tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or "dram=1GiB,tcp://HOST:PORT"
     # (engine/kvstore/spec.py); None: KV lives only in the paged cache.
     kv_pool: str | None = None
+    # CUDA: run decode-only steps eagerly instead of through the CUDA graphs captured per batch
+    # size at start-up (engine/core/cuda_graphs.py). No effect on CPU, which never uses graphs.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_pool is not None:

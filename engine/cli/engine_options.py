@@ -47,6 +47,16 @@ ENGINE_FLAGS = (
             "help": "torch.compile the layers' dense parts (default off: see EngineConfig.compile)",
         },
     ),
+    EngineFlag(
+        "--enforce-eager",
+        "enforce_eager",
+        False,
+        {
+            "action": "store_true",
+            "help": "CUDA: run decode steps eagerly, without the CUDA graphs captured at start-up "
+            "(no effect on CPU, which never uses graphs)",
+        },
+    ),
     EngineFlag("--max-model-len", "max_model_len", None, {"type": int}),
     EngineFlag(
         "--weight-cache",
