@@ -17,7 +17,7 @@ def layer_hook(
     step's slots."""
     if connector is None or not connector.per_layer:
         return user
-    step = step_blocks(inputs.order, inputs.meta.slot_mapping.tolist(), kv.block_tables)
+    step = step_blocks(inputs.order, inputs.slots.tolist(), kv.block_tables)
 
     def hook(i: int) -> None:
         connector.save_layer(i, step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -10,10 +11,19 @@ import numpy as np
 import torch
 
 from engine import envs
+from engine.core.cuda_graphs import (
+    DecodeGraphRunner,
+    DecodeHost,
+    GraphBackend,
+    capture_sizes,
+    to_device,
+)
 from engine.core.scheduler_output import ScheduledRequest
 from engine.kvcache.paged_cache import PagedKVCache
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.model.llama import LayerHook, LlamaForCausalLM
+
+logger = logging.getLogger("engine")
 
 
 class StepResult(NamedTuple):
@@ -31,12 +41,18 @@ class StepInputs:
         meta: AttentionMetadata,
         sample_indices: torch.Tensor,
         order: list[ScheduledRequest],
+        slots: np.ndarray,
+        graph_bucket: int | None = None,
     ) -> None:
         self.input_ids = input_ids
         self.positions = positions
         self.meta = meta
         self.sample_indices = sample_indices  # rows of the hidden states that produce a token
         self.order = order  # scheduled requests in flat-batch order
+        self.slots = slots  # meta.slot_mapping's values on the host (reading them costs no sync)
+        # A decode-only step loaded into the CUDA graphs' static inputs: the bucket it replays
+        # (the tensors above are views of those inputs; eager still works on them).
+        self.graph_bucket = graph_bucket
 
 
 class ModelRunner:
@@ -77,6 +93,33 @@ class ModelRunner:
         # Small decode-only steps by the C decoder layers where they apply (not under compile,
         # which was asked for by name).
         self.native_decode = not compile and model.enable_native_decode()
+        self.graphs: DecodeGraphRunner | None = None  # decode steps under graphs (enable_graphs)
+
+    def enable_graphs(
+        self, max_num_seqs: int, max_model_len: int, backend: GraphBackend
+    ) -> DecodeGraphRunner:
+        """Capture the decode forward for every batch-size bucket (cuda_graphs.py); from then
+        on decode-only steps with a bucket and no layer hook replay them. The graphs hold the
+        torch layers and the Triton kernels: the C decoder layers are turned off (CPU only)."""
+        self.model.native_decode = self.native_decode = False
+        graphs = DecodeGraphRunner(
+            self.forward,
+            capture_sizes(max_num_seqs),
+            max_model_len,
+            self.block_size,
+            self.device,
+            backend,
+        )
+        seconds = graphs.capture()
+        self.graphs = graphs
+        logger.info(
+            "captured %d CUDA graphs for decode batches of %d to %d sequences in %.1f s",
+            len(graphs.graphs),
+            graphs.sizes[0],
+            graphs.sizes[-1],
+            seconds,
+        )
+        return graphs
 
     def prepare(
         self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, list[int]]
@@ -104,14 +147,31 @@ class ModelRunner:
         seq_lens = np.array(
             [s.request.num_computed_tokens + s.num_tokens for s in order], dtype=np.int32
         )
+        ids_np = np.array(ids, dtype=np.int64)
+        ends = np.cumsum(lens) - 1
+        sample_np = np.array([ends[r] for r, s in enumerate(order) if s.samples], dtype=np.int64)
         dev = self.device
         nd = len(decodes)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            num_decode_tokens=nd,
-        )
-        table_t = torch.from_numpy(table_np).to(dev)
-        seq_lens_t = torch.from_numpy(seq_lens).to(dev)
+        bucket = None
+        if self.graphs is not None and not prefills:
+            bucket = self.graphs.bucket(nd, width)
+        if bucket is not None:
+            assert self.graphs is not None
+            host = DecodeHost(ids_np, positions, slots, table_np, seq_lens)
+            self.graphs.load(host, bucket)
+            meta = self.graphs.metadata(nd, max_seq_len=int(seq_lens.max()))
+            return StepInputs(
+                self.graphs.input_ids[:nd],
+                self.graphs.positions[:nd],
+                meta,
+                to_device(sample_np, dev),
+                order,
+                slots,
+                bucket,
+            )
+        meta = AttentionMetadata(slot_mapping=to_device(slots, dev), num_decode_tokens=nd)
+        table_t = to_device(table_np, dev)
+        seq_lens_t = to_device(seq_lens, dev)
         if nd:
             meta.decode_block_tables = table_t[:nd]
             meta.decode_seq_lens = seq_lens_t[:nd]
@@ -121,18 +181,17 @@ class ModelRunner:
             cu = np.zeros(len(prefills) + 1, dtype=np.int32)
             np.cumsum(q_lens, out=cu[1:])
             meta.prefill_block_tables = table_t[nd:]
-            meta.prefill_cu_seqlens_q = torch.from_numpy(cu).to(dev)
+            meta.prefill_cu_seqlens_q = to_device(cu, dev)
             meta.prefill_seq_lens = seq_lens_t[nd:]
             meta.prefill_max_seqlen_q = int(q_lens.max())
             meta.prefill_max_seq_len = int(seq_lens[nd:].max())
-        ends = np.cumsum(lens) - 1
-        sample_rows = [int(ends[r]) for r, s in enumerate(order) if s.samples]
         return StepInputs(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.from_numpy(positions).to(dev),
+            to_device(ids_np, dev),
+            to_device(positions, dev),
             meta,
-            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            to_device(sample_np, dev),
             order,
+            slots,
         )
 
     def forward(
@@ -159,7 +218,11 @@ class ModelRunner:
     ) -> StepResult:
         """``execute``, also handing back the final hidden states of every row [T, hidden]
         (prompt logprobs turn the rows of prefill chunks into logits)."""
-        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta, layer_hook)
+        if inputs.graph_bucket is not None and layer_hook is None:
+            assert self.graphs is not None
+            hidden = self.graphs.replay(inputs.graph_bucket, len(inputs.order))
+        else:
+            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta, layer_hook)
         rows = hidden if all_logits else hidden[inputs.sample_indices]
         return StepResult(self.model.compute_logits(rows).float(), hidden)
 
