@@ -68,6 +68,31 @@ def test_many_empty_splits():
     check([3, 200], 4, 1, 64, 16, torch.float16, num_splits=10_000)
 
 
+def test_fixed_grid_as_under_a_cuda_graph():
+    # A CUDA graph freezes the launch: splits sized for max_model_len, the batch padded to its
+    # bucket with rows of length 0 (block table rows of zeros), the table as wide as
+    # max_model_len. Two different steps through that one launch shape: each real row equals the
+    # reference on the real rows alone, each padding row is zeros (no NaN to leak into a layer).
+    max_model_len, bucket, block_size = 1024, 8, 16
+    width = max_model_len // block_size
+    assert choose_num_splits(bucket, 3, max_model_len, 132) == 4
+    for seed, lens in ((0, [1, 300, 17]), (1, [40, 2, 129, 900, 5])):
+        q, k_cache, v_cache, bt, real = make_batch(lens, 9, 3, 64, block_size, torch.float32, seed)
+        n = len(lens)
+        table = torch.zeros(bucket, width, dtype=torch.int32)
+        table[:n, : bt.shape[1]] = bt.clamp(min=0)
+        seq_lens = torch.zeros(bucket, dtype=torch.int32)
+        seq_lens[:n] = real
+        qp = torch.cat([q, torch.randn(bucket - n, 9, 64)])
+        out = torch.full_like(qp, float("nan"))
+        decode_attention_triton(
+            qp, k_cache, v_cache, table, seq_lens, 0.125, out=out, max_seq_len=max_model_len
+        )
+        ref = decode_attention_ref(q, k_cache, v_cache, bt, real, 0.125)
+        torch.testing.assert_close(out[:n], ref, **TOL[torch.float32])
+        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+
+
 def test_split_count_from_table_width_without_hint():
     # No max_seq_len: the heuristic sizes splits from the block table width, no host sync.
     check([300, 20], 9, 3, 64, 16, torch.float32)
