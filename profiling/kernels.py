@@ -60,6 +60,7 @@ from engine.kernels.prefill_attention import (  # noqa: E402
     prefill_attention_ref,
     prefill_attention_triton,
 )
+from engine.kernels.variants import ModelShape, variants  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -511,9 +512,10 @@ def run_case(make: Callable[[], Case], ceil: dict[str, float], quick: bool) -> R
 
 
 def aot_compile(arch: int) -> int:
-    """Compile, without a GPU, each kernel variant the launchers choose over a set of shapes, for
-    CUDA sm_<arch>, and report what ptxas says. The launchers run on empty CPU tensors with
-    ``kernel[grid](...)`` replaced by a compile of the same signature and constexprs."""
+    """Compile, without a GPU, each kernel variant the launchers choose over a set of shapes (the
+    engine's warm-up table, engine/kernels/variants.py), for CUDA sm_<arch>, and report what
+    ptxas says. The launchers run on small CPU tensors with ``kernel[grid](...)`` replaced by
+    a compile of the same signature and constexprs."""
     import re
     import subprocess
     import tempfile
@@ -590,29 +592,16 @@ def aot_compile(arch: int) -> int:
             compile_launch(self.fn, args, kwargs)
 
     JITFunction.__getitem__ = lambda self, grid: Launch(self)
-    shapes = [(9, 3, 64), (32, 8, 128), (8, 2, 80), (4, 4, 96), (8, 1, 256)]
+    # The engine's warm-up table (engine/kernels/variants.py) over these model shapes.
+    int8_weights = ((4096, 4096),)
+    shapes = [(9, 3, 64, False), (32, 8, 128, False), (8, 2, 80, False), (4, 4, 96, True)]
+    shapes += [(8, 1, 256, False)]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for heads, kv_heads, dim in shapes:
-            cache = torch.empty(20, 16, kv_heads, dim, dtype=dtype)
-            table = torch.zeros(2, 10, dtype=torch.int32)
-            lens = torch.tensor([150, 40], dtype=torch.int32)
-            for max_q, tokens in ((1, 2), (40, 80), (4096, 4096)):
-                q = torch.empty(tokens, heads, dim, dtype=dtype)
-                cu = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32)
-                prefill_attention_triton(q, cache, cache, table, cu, lens, 0.1, max_seqlen_q=max_q)
-            for splits in (1, 4):
-                q = torch.empty(2, heads, dim, dtype=dtype)
-                decode_attention_triton(q, cache, cache, table, lens, 0.1, num_splits=splits)
-            rows_kv = torch.empty(5, kv_heads, dim, dtype=dtype)
-            kv_store_triton(rows_kv, rows_kv, cache, cache, torch.zeros(5, dtype=torch.int64))
-            full = torch.empty(2, 2, 8, 16, kv_heads, dim, dtype=dtype)
-            staging = torch.empty(2, 2, 3, 16, kv_heads, dim, dtype=dtype)
-            kv_gather_triton(full, torch.zeros(3, dtype=torch.int64), staging)
-            kv_scatter_triton(staging, torch.zeros(3, dtype=torch.int64), full)
-        weight = torch.empty(4096, 4096, dtype=torch.int8)
-        scales = torch.empty(4096, dtype=dtype)
-        for m in (1, 17, 64, 4096):  # each tile configuration
-            int8_matmul_triton(torch.empty(m, 4096, dtype=dtype), weight, scales)
+        for heads, kv_heads, dim, qk_norm in shapes:
+            # One int8 projection, 4096 x 4096: the int8 GEMM's tiles and row classes.
+            shape = ModelShape(heads, kv_heads, dim, qk_norm=qk_norm, int8_projections=int8_weights)
+            for call in variants(shape, 16, dtype, torch.device("cpu")):
+                call.run()
     failed = sum(r[4] is None for r in rows)
     spilled = [r for r in rows if r[4] is not None and any(int(n) for n in r[6])]
     print(f"\n{len(rows) - failed}/{len(rows)} kernel variants compiled for sm_{arch}")
