@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from engine import cpu_isa, envs
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.core.cache_plan import plan_cache
 from engine.core.connector_calls import layer_hook, save_new_blocks
 from engine.core.detokenizer import IncrementalDetokenizer
@@ -32,6 +32,7 @@ from engine.core.scheduler import QueueFullError, Scheduler
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.stop_conditions import StopResult, check_stop, safe_text_len
 from engine.core.validation import cap_for_tests, validate_prompt
+from engine.kernels.variants import ModelShape
 from engine.kv_connector.base import KVConnector
 from engine.kvcache.block_pool import BlockListener
 from engine.kvcache.kv_cache_manager import KVCacheManager
@@ -144,6 +145,8 @@ class LLMEngine:
         )
         if self.device.type == "cpu":
             self._log_cpu()
+        elif self.device.type == "cuda":
+            self._prepare_gpu()
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -156,6 +159,26 @@ class LLMEngine:
         self._grammar_compiler_lock = threading.Lock()  # the servers' threads make it too
         self.num_steps = 0
         self.step_times = StepTimes()
+
+    def _prepare_gpu(self) -> None:
+        """Before serving on CUDA: compile every Triton kernel variant this engine's shapes need
+        (kernels/variants.py), then capture the decode CUDA graphs unless told not to."""
+        from engine.core.cuda_graphs import CudaGraphBackend
+        from engine.kernels.variants import warm_up
+
+        shape = kernel_shape(self.model_config, self.config.quantization == "int8")
+        count, seconds = warm_up(shape, self.cache.block_size, self.dtype, self.device)
+        logger.info("warm-up: %d Triton kernel variants compiled in %.1f s", count, seconds)
+        if self.config.enforce_eager:
+            logger.info("CUDA graphs off (enforce_eager): decode steps run eagerly")
+        elif self.runner.compiled:
+            logger.info("CUDA graphs off under compile: decode steps run eagerly")
+        else:
+            self.runner.enable_graphs(
+                self.config.scheduler.max_num_seqs,
+                self.max_model_len,
+                CudaGraphBackend(self.device),
+            )
 
     def _log_cpu(self) -> None:
         """One line on the CPU (engine/cpu_isa.py) and what this engine runs on it; a warning
@@ -349,7 +372,7 @@ class LLMEngine:
                 with self.metrics.lock:
                     self.metrics.queue_time.observe(now - m.arrival_time)
         inputs = self.runner.prepare(sched.scheduled, self.kv.block_tables)
-        t1 = time.perf_counter()
+        t1 = step_clock(self.device)
         wanted = rows_wanted(inputs.order, [s.num_tokens for s in inputs.order])
         hook = layer_hook(self.connector, self.layer_hook, inputs, self.kv)
         if wanted:
@@ -359,7 +382,7 @@ class LLMEngine:
             del step
         else:
             logits = self.runner.execute(inputs, hook)
-        t2 = time.perf_counter()
+        t2 = step_clock(self.device)
         sampling = [s.request for s in inputs.order if s.samples]
         grammars = [r.grammar for r in sampling]
         bitmask = None
@@ -375,7 +398,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             bitmask=bitmask,
         )
-        sampled = self.sampler(logits, batch)
+        sampled = self.sampler(logits, batch)  # its .tolist() waits for the device
         t3 = time.perf_counter()
         self._account_computed(sched)
         self.scheduler.update_after_step(sched)
@@ -542,6 +565,36 @@ class LLMEngine:
                 yield outs
         finally:
             bar.close()
+
+
+def kernel_shape(m: ModelConfig, int8: bool) -> ModelShape:
+    """What the Triton kernels see of model ``m`` (kernels/variants.py); ``int8``: its
+    projections and LM head are int8 GEMMs."""
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    projections = (
+        (q + 2 * kv, m.hidden_size),
+        (m.hidden_size, q),
+        (2 * m.intermediate_size, m.hidden_size),
+        (m.hidden_size, m.intermediate_size),
+        (m.vocab_size, m.hidden_size),
+    )
+    return ModelShape(
+        m.num_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        m.num_layers,
+        m.qk_norm,
+        projections if int8 else (),
+    )
+
+
+def step_clock(device: torch.device) -> float:
+    """time.perf_counter() once the work queued on ``device`` is done, where the step timer
+    splits a step: on CUDA a torch.cuda.synchronize (else the forward's GPU time would be booked
+    to whatever waits for it next), on the CPU nothing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _parent_id(req: Request) -> str:
