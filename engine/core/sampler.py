@@ -159,11 +159,16 @@ class SamplingBatch:
             penalty = freq[at] * counts + pres[at]
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        fast_greedy = all(greedy) and not (rep or pen or mask_rows or bitmask)
         return cls(
             num_rows=n,
             vocab_size=vocab_size,
-            fast_greedy=all(greedy) and not (rep or pen or mask_rows or bitmask),
-            greedy_rows=_index([i for i in range(n) if greedy[i]], device) if any(greedy) else None,
+            fast_greedy=fast_greedy,
+            # Not for fast_greedy (argmax of every row): on CUDA each host list made a tensor
+            # is a copy from pageable memory, which waits for the forward.
+            greedy_rows=_index([i for i in range(n) if greedy[i]], device)
+            if any(greedy) and not fast_greedy
+            else None,
             plain=draw([i for i in random if not filters(params[i])]),
             filtered=draw([i for i in random if filters(params[i])]),
             mask_keys=_index([r * vocab_size + t for r, t in zip(mask_rows, mask_ids)], device)
