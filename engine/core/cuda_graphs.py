@@ -128,7 +128,8 @@ class CudaGraphBackend:
             fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the KV connector's threads may touch CUDA while this thread captures.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         return graph, out
 
@@ -162,7 +163,9 @@ class ReplayBackend:
 
 class DecodeGraphRunner:
     """Static decode inputs sized for the largest bucket, and one captured forward per bucket.
-    ``forward(input_ids, positions, meta)`` returns the final hidden states [rows, hidden]."""
+    ``forward(input_ids, positions, meta)`` returns the final hidden states [rows, hidden].
+    The graphs hold the addresses of the weights and of the KV cache as bound at capture:
+    neither may be replaced afterwards (the engine binds and converts both before)."""
 
     def __init__(
         self,
