@@ -254,8 +254,9 @@ def copy_from_host(dst: torch.Tensor, src: np.ndarray) -> None:
 
 
 def to_device(src: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device``: on CUDA one non-blocking copy from pinned memory."""
+    """A host array on ``device``: on CUDA one non-blocking copy from pinned memory, on the CPU
+    the array's own memory."""
     t = torch.from_numpy(src)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
-    return t
+    return t.to(device)
