@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.kernels._launch import pad_dim
+from engine.kernels._launch import capability, pad_dim
 from engine.kernels.decode_attention import MAX_SPLITS
 from engine.kernels.prefill_attention import prefill_config
 
@@ -116,9 +116,11 @@ def variants(
         )
 
     head_dim_pad = pad_dim(d)
+    target = capability(torch.device(device))  # the tiles depend on the CUDA target
     configs: dict[Any, int] = {}  # tile configuration -> a max_seqlen_q that picks it
     for max_q in (2, 32 // group + 1, 128 // group + 1, 4096):
-        configs.setdefault(prefill_config(max(max_q, 2), group, head_dim_pad, dtype), max_q)
+        cfg = prefill_config(max(max_q, 2), group, head_dim_pad, dtype, target)
+        configs.setdefault(cfg, max_q)
     for cfg, max_q in configs.items():
         for seqs in COUNT_CLASSES:
             # Two query tokens per sequence: the tile is chosen from max_seqlen_q, not the data.
