@@ -4,8 +4,9 @@ added to the command line by cli.py.
 - ``engine cluster --prefill N --decode M [serve options]``: the router (in this process) behind
   the OpenAI HTTP server on ``--port`` (and the ZeroMQ RPC API with ``--rpc-address``), N prefill
   and M decode worker processes on this host. SIGTERM or Ctrl-C stops them all.
-- ``engine router --address tcp://HOST:PORT [serve options]``: the router alone, for workers
-  started one by one (on other hosts too) with
+- ``engine router --address tcp://HOST:PORT [--kv-pool tcp://HOST:PORT] [serve options]``: the
+  router alone (and the pool service started on its own that it hears), for workers started one
+  by one (on other hosts too) with
 - ``engine worker --role prefill|decode --router tcp://HOST:PORT [engine options]``.
 """
 
@@ -17,6 +18,8 @@ import sys
 
 from engine.cli.engine_options import engine_argv, engine_config_from_args, set_options
 
+POOL_WAIT_S = 60.0  # engine router --kv-pool: how long the pool service may take to answer
+
 
 def add_cluster_commands(subparsers, engine_args_fn) -> None:
     w = subparsers.add_parser("worker", help="a prefill or decode worker of a cluster")
@@ -24,7 +27,12 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
     w.add_argument("--role", required=True, choices=["prefill", "decode"])
     w.add_argument("--router", required=True, help="the router's endpoint, tcp://HOST:PORT")
     w.add_argument("--worker-id", default="", help="a stable name (default: role + random)")
-    w.add_argument("--kv-host", default="127.0.0.1", help="address the KV socket binds (decode)")
+    w.add_argument(
+        "--kv-host",
+        default="127.0.0.1",
+        help="address every socket other hosts reach binds: KV (decode), block events, block "
+        "copies (prefill), Mooncake's Transfer Engine",
+    )
     w.add_argument("--kv-staging-mb", type=int, default=1024, help="decode: KV staging arena")
     _worker_options(w)
     w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -34,6 +42,13 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
     r.add_argument("--model", default="default")
     r.add_argument("--address", default="tcp://127.0.0.1:5557", help="control endpoint to bind")
     r.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
+    r.add_argument(
+        "--kv-pool",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="a pool service started with engine pool serve --events-port (the workers' "
+        "--kv-pool): the router hears its block events and places by what it holds",
+    )
     _router_args(r)
     r.set_defaults(func=cmd_router)
 
@@ -185,7 +200,15 @@ def cmd_router(args: argparse.Namespace) -> int:
     from engine.cluster.router.router import Router
 
     _logging(args.log_level)
+    link = None
+    if args.kv_pool:
+        from engine.cluster.router.pool_link import discover
+
+        link = discover(args.kv_pool, POOL_WAIT_S)
     router = Router(_router_config(args, args.address))
+    if link is not None:
+        router.add_pool(link.source, link.events_address)
+        print(f"Router hears the pool service {link.source}", file=sys.stderr, flush=True)
     print(f"Router control endpoint: {router.address}", file=sys.stderr, flush=True)
     try:
         return _serve(router, args)

@@ -302,6 +302,7 @@ class PoolService:
     def _service_stats(self) -> dict:
         return {
             "source": self.source,
+            "events_port": self.events_port,  # None: no events (a router's --kv-pool asks)
             "namespaces": len(self.table),
             "queued": self._work.qsize(),
             "leases": self.table.num_leases(),
