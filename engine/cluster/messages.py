@@ -4,7 +4,8 @@ Socket roles (fixed):
 
 - router ROUTER <- worker DEALER (control): ``Register``, ``Outputs``, ``DecodeReady``,
   ``TransferFailed``, ``RequestError``, ``Goodbye`` up; ``PrefillRequest``, ``DecodeRequest``,
-  ``Abort`` down. A second DEALER per worker carries only ``Heartbeat`` (its own thread, so a
+  ``Abort`` down; ``ShmProbe`` down and ``ShmReach`` up prove which pairs share /dev/shm.
+  A second DEALER per worker carries only ``Heartbeat`` (its own thread, so a
   long forward never delays one).
 - worker PUB -> router SUB: block events (``BlockEvent`` of engine/kvstore/block_events.py, the
   pool service's format: one msgpack map per message).
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import field
+from typing import Annotated
 
 from engine.ipc import codec
+from engine.ipc.codec import Len
 
 MAX_HEADER_BYTES = 1 << 20  # a header holds token ids (a long prompt is ~100k ints)
 MAX_FRAME_BYTES = 1 << 30  # one layer of one chunk of KV
@@ -54,11 +57,15 @@ class Register(Message, kind="register"):
     kv_address: str  # decode: the PULL endpoint prefill workers push KV to; prefill: ""
     shm_path: str  # decode: its staging arena file ("" when it has none)
     transport: str  # "shm" | "tcp"
-    host: str  # hostname, so the router can tell which workers share memory
+    host: str  # hostname, shown in /health (never taken as proof of shared memory)
     events_address: str = ""  # its PUB socket of block events (the pool service's format)
     mooncake_address: str = ""  # decode over Mooncake: its Transfer Engine's address
     arena_addr: int = 0  # and the staging arena's registered base address
     copy_address: str = ""  # prefill: the PULL endpoint other prefill workers copy blocks to
+    # decode over shm: the digest of the nonce beside its staging arena (shm_proof.py), which a
+    # prefill worker proves it can read before the router lets it write there
+    shm_digest: str = ""
+    pid_ns: str = ""  # its pid namespace ("dev:inode"), compared only where /dev/shm is shared
 
 
 class Heartbeat(Message, kind="heartbeat"):
@@ -121,6 +128,16 @@ class RequestError(Message, kind="request_error"):
     message: str
 
 
+class ShmReach(Message, kind="shm_reach"):
+    """A prefill worker's answer to ``ShmProbe``: the nonce it read beside the decode worker's
+    staging arena, in hex ("" when it could not: another /dev/shm). The router checks it against
+    the decode worker's registered digest. (Hex: the header takes no raw bytes.)"""
+
+    worker_id: str
+    decode_id: str
+    nonce: Annotated[str, Len(0, 128)] = ""
+
+
 class CopyDone(Message, kind="copy_done"):
     """The target prefill worker of a block copy stored ``blocks`` of them in its prefix cache
     (0 and ``error`` when none arrived or they were bad)."""
@@ -144,10 +161,12 @@ class _PromptRequest(Message):
 
 class DecodeRequest(_PromptRequest, kind="decode_request"):
     deadline_s: float  # seconds the transfer may take before the failure policy applies
-    # The prefill worker placed with it (its Register's pid and host): over shared memory the
-    # decode worker frees the request's staging area as soon as that process is gone.
+    # The prefill worker placed with it: its pid, and whether the router proved that it shares
+    # this worker's /dev/shm and pid namespace (shm_proof.py). Then the decode worker watches
+    # that pid: the request's staging area is freed, and its transfer failed, as soon as that
+    # process is gone. Else the pid means nothing here (another host or container).
     sender_pid: int = 0
-    sender_host: str = ""
+    sender_local: bool = False
 
 
 class PrefillRequest(_PromptRequest, kind="prefill_request"):
@@ -160,6 +179,14 @@ class PrefillRequest(_PromptRequest, kind="prefill_request"):
     stream_layers: bool = True  # False: every layer leaves after the prefill (benchmarks)
     peer_address: str = ""  # mooncake: the decode worker's Transfer Engine
     peer_base: int = 0  # mooncake: its staging arena's address
+
+
+class ShmProbe(Message, kind="shm_probe"):
+    """To a prefill worker: read the nonce beside this decode worker's staging arena and answer
+    ``ShmReach`` (shm_proof.py); until a matching answer, KV to it goes over TCP."""
+
+    decode_id: str
+    shm_path: str
 
 
 class CopyBlocks(Message, kind="copy_blocks"):
@@ -268,8 +295,10 @@ MESSAGES: dict[str, type[Message]] = {
         TransferFailed,
         RequestError,
         CopyDone,
+        ShmReach,
         DecodeRequest,
         PrefillRequest,
+        ShmProbe,
         CopyBlocks,
         Abort,
         FirstTokens,

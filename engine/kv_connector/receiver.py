@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -82,7 +81,6 @@ class KVReceiver(WrapsPool):
         self.arena = arena
         self.remote_writes = bool(arena.path) if remote_writes is None else remote_writes
         self.local_writers = bool(arena.path) if local_writers is None else local_writers
-        self.host = socket.gethostname()  # as workers register theirs with the router
         layers, _, blocks, bs, heads, dim = kv_cache.shape
         self.num_layers = layers
         self.token_bytes = heads * dim * kv_cache.element_size()
@@ -112,11 +110,13 @@ class KVReceiver(WrapsPool):
         num_tokens: int,
         deadline_s: float,
         sender_pid: int = 0,
-        sender_host: str = "",
+        sender_local: bool = True,
     ) -> Transfer:
         """Reserve staging for a request's prompt KV; MemoryError when the arena is full.
-        sender_pid, sender_host: the prefill worker the router placed the request on (0: not
-        told, then a released area is quarantined until the sender is done or QUARANTINE_S)."""
+        sender_pid: the prefill worker the router placed the request on (0: not told, then a
+        released area is quarantined until the sender is done or QUARANTINE_S); sender_local:
+        it shares this process's /dev/shm and pid namespace (the router proved it,
+        shm_proof.py), so its pid is watched; else it is elsewhere and sends frames."""
         layout = KVLayout(self.num_layers, num_tokens, self.token_bytes)
         with self._lock:
             if request_id in self._transfers:
@@ -129,7 +129,7 @@ class KVReceiver(WrapsPool):
                 )
             t = Transfer(request_id, offset, layout, time.monotonic() + deadline_s)
             t.pieces = [[] for _ in range(self.num_layers)]
-            local = not sender_host or sender_host == self.host
+            local = sender_local
             if sender_pid > 0 and local:
                 # Identified while the router still counts it alive, so a pid reused later is
                 # told apart. Watched while the transfer runs: a sender SIGKILLed mid-transfer

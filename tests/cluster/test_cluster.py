@@ -64,6 +64,11 @@ def test_single_batched_streamed_chunked_equal_colocated(cluster, reference):
     assert [t for d in deltas for t in d[0]] == greedy[0]
     assert [b[0].outputs[0].token_ids for b in batched] == greedy
     assert single.metrics.first_token_time is not None
+    # One host: the prefill worker proved it reads the decode worker's arena, so every transfer
+    # went through shared memory (shm_pairs.py), none over TCP.
+    status = cluster.router.workers_status()["prefill-0"]
+    assert status["shm_peers"] == ["decode-0"]
+    assert set(status["kv_transports"]) == {"shm"}, status
 
 
 def test_seeded_n2_logprobs_equal_colocated(cluster, reference):

@@ -20,6 +20,8 @@ SAMPLES = [
         "shm",
         "h",
         events_address="tcp://127.0.0.1:6",
+        shm_digest="ab" * 32,
+        pid_ns="4:4026531836",
     ),
     m.Heartbeat("p0", "draining", 1, 2, 0.25, 7, 4096, 1),
     m.Goodbye("p0"),
@@ -58,6 +60,10 @@ SAMPLES = [
     m.BlockData("r1", "p0", list(range(32)), 1, 1, 123, frames=(b"\x02" * 8,)),
     m.BlockData("r1", "p0", [], 0, 0, 0),
     m.CopyDone("r1", "p1", 1),
+    m.ShmProbe("d0", "/dev/shm/engine-kvstage-1-ab"),
+    m.ShmReach("p0", "d0", "07" * 16),
+    m.ShmReach("p0", "d0"),
+    m.DecodeRequest("r1", [1], {}, 30.0, sender_pid=4, sender_local=True),
     m.CopyDone("r1", "p1", 0, error="block data checksum mismatch"),
 ]
 

@@ -424,8 +424,8 @@ def test_a_sender_killed_mid_transfer_fails_it_at_once(transport):
     kv, arena, rx = synthetic(transport)
     sender = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        t = rx.expect("r", 10, 600.0, sender_pid=sender.pid, sender_host=rx.host)
-        far = rx.expect("f", 10, 600.0, sender_pid=sender.pid, sender_host="another-host")
+        t = rx.expect("r", 10, 600.0, sender_pid=sender.pid, sender_local=True)
+        far = rx.expect("f", 10, 600.0, sender_pid=sender.pid, sender_local=False)
         assert rx.expire(time.monotonic()) == []  # alive: keep waiting
         sender.kill()
         sender.wait(timeout=10)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,6 @@ from engine.kv_connector.staging import StagingArena, checksum
 
 L, NB, BS, H, D = 2, 4, 4, 2, 4
 T = 8  # tokens per transfer
-HOST = socket.gethostname()
 
 # A prefill worker's part, as far as the staging area goes: started before the reservation (the
 # router names it in the DecodeRequest), it is then told the area, maps the decode worker's arena
@@ -91,8 +89,8 @@ def test_killed_sender_frees_its_area_and_a_live_one_keeps_it(rx_shm, reaped):
     slow to notice); its memory maps are gone all the same."""
     rx, arena, procs = rx_shm
     doomed, silent = start_writer(arena, procs), start_writer(arena, procs)
-    t_dead = rx.expect("dead", T, 30.0, sender_pid=doomed.pid, sender_host=HOST)
-    t_live = rx.expect("live", T, 30.0, sender_pid=silent.pid, sender_host=HOST)
+    t_dead = rx.expect("dead", T, 30.0, sender_pid=doomed.pid, sender_local=True)
+    t_live = rx.expect("live", T, 30.0, sender_pid=silent.pid, sender_local=True)
     write_area(doomed, t_dead)
     write_area(silent, t_live)
     assert int(arena.view(t_dead.offset, t_dead.layout.nbytes).sum()) == 7 * t_dead.layout.nbytes
@@ -119,14 +117,15 @@ def test_sender_gone_before_the_reservation_is_never_waited_for(rx_shm):
     proc = start_writer(arena, procs)
     proc.kill()
     proc.wait(timeout=10)
-    rx.expect("r", T, 30.0, sender_pid=proc.pid, sender_host=HOST)
+    rx.expect("r", T, 30.0, sender_pid=proc.pid, sender_local=True)
     rx.release("r")
     assert arena.used == 0 and rx.num_transfers == 0
 
 
 def test_unknown_or_remote_senders(rx_shm):
     """No sender named (an older router): the quarantine stands until KVDone/KVAbort or its
-    time. A sender on another host cannot map this arena (the router sends over TCP): none."""
+    time. A sender the router did not prove local (another host, or another /dev/shm under the
+    same hostname) cannot map this arena (the router sends over TCP): none."""
     rx, arena, _ = rx_shm
     rx.expect("anon", T, 30.0)
     rx.release("anon")
@@ -135,7 +134,7 @@ def test_unknown_or_remote_senders(rx_shm):
     rx.expire(time.monotonic() + QUARANTINE_S + 1)
     assert arena.used == 0
 
-    rx.expect("far", T, 30.0, sender_pid=os.getpid(), sender_host=HOST + "-elsewhere")
+    rx.expect("far", T, 30.0, sender_pid=os.getpid(), sender_local=False)
     rx.release("far")
     assert arena.used == 0 and rx.num_transfers == 0
 
@@ -148,7 +147,7 @@ def test_mooncake_keeps_the_quarantine_whoever_sends():
     try:
         gone = subprocess.Popen([sys.executable, "-c", "pass"])
         gone.wait(timeout=30)
-        rx.expect("r", T, 30.0, sender_pid=gone.pid, sender_host=HOST)
+        rx.expect("r", T, 30.0, sender_pid=gone.pid, sender_local=True)
         rx.release("r")
         rx.expire(time.monotonic())
         assert arena.used > 0
@@ -164,7 +163,7 @@ def test_tcp_frees_at_once_and_drops_late_frames():
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     try:
-        t = rx.expect("r", T, 30.0, sender_pid=os.getpid(), sender_host=HOST)
+        t = rx.expect("r", T, 30.0, sender_pid=os.getpid(), sender_local=True)
         rx.release("r")
         assert arena.used == 0 and rx.num_transfers == 0 and t.freed
         push.connect(rx.address)

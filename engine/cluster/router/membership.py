@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.cluster import messages as m
@@ -49,6 +49,13 @@ class Worker:
     mooncake_address: str = ""
     arena_addr: int = 0
     copy_address: str = ""  # prefill: where other prefill workers push block copies
+    shm_digest: str = ""  # decode: the digest of its arena's nonce (shm_pairs.py)
+    pid_ns: str = ""
+    # prefill: the decode workers it proved to share /dev/shm with (id -> the digest proven),
+    # the probes not answered yet, and the KV transfers it was sent on, by transport
+    shm_peers: dict[str, str] = field(default_factory=dict)
+    shm_pending: set[str] = field(default_factory=set)
+    kv_transports: dict[str, int] = field(default_factory=dict)
     state: str = "up"  # up | draining | dead | left
     last_seen: float = 0.0
     hb: m.Heartbeat | None = None
@@ -73,15 +80,16 @@ class Membership:
 
     # -- what workers say -------------------------------------------------------------------
 
-    def register(self, identity: bytes, msg: m.Register, now: float) -> None:
+    def register(self, identity: bytes, msg: m.Register, now: float) -> Worker | None:
+        """The worker, when this registration is a new one (not a repeat, not refused)."""
         if msg.role not in ("prefill", "decode") or msg.max_model_len < 1:
             log.warning("refused to register %r: role %r, max_model_len %d", msg.worker_id[:64],
                         msg.role[:16], msg.max_model_len)  # fmt: skip
-            return
+            return None
         old = self.workers.get(msg.worker_id)
         if old is not None and old.pid == msg.pid and old.live:
             old.identity, old.last_seen = identity, now  # a repeated registration
-            return
+            return None
         if old is not None and old.live and old.pid != msg.pid:
             self.gone(old, "dead")  # restarted before its silence was noticed
         self.workers[msg.worker_id] = Worker(
@@ -98,6 +106,8 @@ class Membership:
             mooncake_address=msg.mooncake_address,
             arena_addr=msg.arena_addr,
             copy_address=msg.copy_address,
+            shm_digest=msg.shm_digest,
+            pid_ns=msg.pid_ns,
             last_seen=now,
         )
         self.blocks.remove_holder(msg.worker_id)  # a fresh instance holds nothing yet
@@ -108,6 +118,7 @@ class Membership:
                         msg.worker_id)  # fmt: skip
         self._refresh_max_model_len()
         log.info("worker %s (%s, pid %d) joined", msg.worker_id, msg.role, msg.pid)
+        return self.workers[msg.worker_id]
 
     def heartbeat(self, msg: m.Heartbeat, now: float) -> None:
         w = self.workers.get(msg.worker_id)
@@ -201,6 +212,10 @@ class Membership:
         roles = {w.role for w in list(self.workers.values()) if w.state == "up"}
         return roles == {"prefill", "decode"}
 
+    def probes_pending(self) -> bool:
+        """Some live prefill worker has not answered a shared-memory probe yet (any thread)."""
+        return any(w.live and w.shm_pending for w in list(self.workers.values()))
+
     def count_up(self, role: str) -> int:
         return sum(w.role == role and w.state == "up" for w in list(self.workers.values()))
 
@@ -225,6 +240,9 @@ class Membership:
                 "finished": dict(hb.finished) if hb else {},
                 "heartbeat_age_s": round(max(0.0, now - w.last_seen), 3),
             }
+            if w.role == "prefill":  # which decode workers it reaches by shared memory
+                out[w.worker_id]["shm_peers"] = sorted(w.shm_peers)
+                out[w.worker_id]["kv_transports"] = dict(w.kv_transports)
         return out
 
     def reporting(self) -> list[Worker]:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from engine.cluster import messages as m
 from engine.cluster.placement import Placement
+from engine.cluster.router import shm_pairs
 from engine.cluster.router.config import ClusterUnavailableError, RouterConfig
 from engine.cluster.router.membership import Membership, Worker
 from engine.cluster.router.outputs import apply_outputs, assemble
@@ -191,7 +192,7 @@ class Phases:
             params_to_wire(req.params),
             self.cfg.transfer_deadline_s,
             sender_pid=p.pid,
-            sender_host=p.host,
+            sender_local=shm_pairs.shares_pids(p, self.members.workers[req.decode]),
         )
         if not self._send(self.members.workers[req.decode], msg):
             self._retry(req, f"decode worker {req.decode} is unreachable")
@@ -219,7 +220,7 @@ class Phases:
             self._retry(req, f"prefill worker {req.prefill} is gone")
             return
         transport = self.cfg.kv_transport
-        same_host = p.host == decode.host and decode.shm_path
+        same_host = shm_pairs.shares_memory(p, decode)  # proven, never by hostname
         if decode.mooncake_address and (transport or decode.transport) == "mooncake":
             transport = "mooncake"  # both ends must have joined with their Transfer Engines
         elif transport is None:
@@ -228,6 +229,7 @@ class Phases:
             transport = "tcp"
         req.phase = "prefill"
         req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
+        p.kv_transports[transport] = p.kv_transports.get(transport, 0) + 1
         self.placement.prefill_started(req.wire_id, time.monotonic())
         mooncake = transport == "mooncake"
         msg = m.PrefillRequest(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from engine.async_llm import EngineShuttingDownError
 from engine.cluster import messages as m
 from engine.cluster.placement import Placement
+from engine.cluster.router import shm_pairs
 from engine.cluster.router.config import ClusterUnavailableError, RouterConfig
 from engine.cluster.router.io import RouterIO
 from engine.cluster.router.membership import Membership, Worker
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from engine.structured.compiler import GrammarCompiler
 
 __all__ = ["ClusterUnavailableError", "Router", "RouterConfig"]
+
+PROBE_WAIT_S = 10.0  # wait_for_workers: for the shared-memory probes after the registrations
 
 
 class Router:
@@ -205,14 +208,19 @@ class Router:
     def wait_for_workers(
         self, prefill: int, decode: int, timeout: float, check: Callable[[], None] | None = None
     ) -> None:
-        """Block until that many workers of each role are up (launcher, tests). ``check`` is
-        called on every poll and may raise to end the wait (the launcher's: a child exited)."""
+        """Block until that many workers of each role are up (launcher, tests), and then until
+        the prefill workers answered their shared-memory probes (at most PROBE_WAIT_S more;
+        unproven pairs use TCP). ``check`` is called on every poll and may raise to end the
+        wait (the launcher's: a child exited)."""
         deadline = time.monotonic() + timeout
         while True:
             if check is not None:
                 check()
             m_ = self._members
             if m_.count_up("prefill") >= prefill and m_.count_up("decode") >= decode:
+                probe_deadline = min(deadline, time.monotonic() + PROBE_WAIT_S)
+                while m_.probes_pending() and time.monotonic() < probe_deadline:
+                    time.sleep(0.02)
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -250,13 +258,20 @@ class Router:
 
     def on_message(self, identity: bytes, msg: m.Message, now: float) -> None:
         if isinstance(msg, m.Register):
-            self._members.register(identity, msg, now)
+            new = self._members.register(identity, msg, now)
+            if new is not None:
+                for prefill, probe in shm_pairs.probes(new, self._members.workers.values()):
+                    self._io.send(prefill, probe)
         elif isinstance(msg, m.Heartbeat):
             self._members.heartbeat(msg, now)
         elif isinstance(msg, m.Goodbye):
             self._members.goodbye(identity, msg)
         elif (sender := self._members.sender(identity, now)) is not None:
-            self._phases.on_message(sender, msg, now)
+            if isinstance(msg, m.ShmReach):
+                decode = self._members.reachable(msg.decode_id)
+                shm_pairs.take_reach(sender, decode, msg)
+            else:
+                self._phases.on_message(sender, msg, now)
 
     def on_block_event(self, event: BlockEvent) -> None:
         self._members.take_event(event)

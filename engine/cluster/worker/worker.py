@@ -31,6 +31,7 @@ from engine.cluster import messages as m
 from engine.cluster.conductor.step_stats import StepStats
 from engine.config import EngineConfig
 from engine.ipc import curve
+from engine.kv_connector import shm_proof
 from engine.kvstore.block_events import EVENT_KEYS, BlockEvent
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class WorkerConfig:
     engine: EngineConfig
     worker_id: str = ""
     transport: str = "shm"  # what this decode worker offers: shm (and tcp) or tcp only
-    kv_host: str = "127.0.0.1"  # where the decode worker's KV socket binds
+    kv_host: str = "127.0.0.1"  # where every socket other hosts reach binds (KV, events, copies)
     kv_load_failure: str = "recompute"
     staging_mb: int = 1024
     heartbeat_s: float = 0.5
@@ -98,6 +99,7 @@ class Worker:
         self._pub.bind(f"tcp://{cfg.kv_host}:0")
         self.events_address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.arena = None
+        self.arena_nonce = None  # decode over shm: what proves a prefill worker shares /dev/shm
         self.mooncake = None
         self.arena_addr = 0
         self.copier = None  # prefill: block copies to and from other prefill workers
@@ -147,6 +149,10 @@ class Worker:
         from engine.kv_connector.staging import StagingArena
 
         self.arena = StagingArena(cfg.staging_mb << 20, shared=cfg.transport == "shm")
+        if self.arena.path:
+            from engine.kv_connector.shm_proof import ArenaNonce
+
+            self.arena_nonce = ArenaNonce(self.arena.path)
         self.receiver = KVReceiver(
             cache.kv,
             cache.block_size,
@@ -191,6 +197,8 @@ class Worker:
             mooncake_address=self.mooncake.address if self.mooncake is not None else "",
             arena_addr=self.arena_addr,
             copy_address=self.copier.address if self.copier is not None else "",
+            shm_digest=self.arena_nonce.digest if self.arena_nonce is not None else "",
+            pid_ns=shm_proof.pid_namespace(),
         )
 
     def _heartbeat_loop(self) -> None:
@@ -318,6 +326,10 @@ class Worker:
             elif isinstance(msg, m.SourceGone):
                 if self.cfg.role == "decode":
                     self.role.source_gone(msg)
+            elif isinstance(msg, m.ShmProbe):
+                if self.cfg.role == "prefill":  # can this process read that arena's nonce?
+                    nonce = shm_proof.read_nonce(msg.shm_path)
+                    self._emit(m.ShmReach(self.worker_id, msg.decode_id, nonce.hex()))
             elif isinstance(msg, m.CopyBlocks):
                 if self.copier is not None:
                     self.copier.send(msg)
@@ -376,6 +388,8 @@ class Worker:
             conn.close()
         if self.arena is not None:
             self.arena.close()
+        if self.arena_nonce is not None:
+            self.arena_nonce.close()
         if self.copier is not None:
             self.copier.close()
         self._wake_pull.close(linger=0)
