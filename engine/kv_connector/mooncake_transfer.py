@@ -30,7 +30,10 @@ class MooncakeEndpoint:
         rc = self.engine.initialize(host, metadata, "tcp", "")
         if rc != 0:
             raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, {metadata!r}): {rc}")
-        self.address = f"{host}:{self.engine.get_rpc_port()}"
+        # Its segment's name, which peers open: with peer handshakes the engine appends its RPC
+        # port; a metadata service keeps the segment under the name it was given.
+        p2p = metadata == DEFAULT_METADATA
+        self.address = f"{host}:{self.engine.get_rpc_port()}" if p2p else host
         self._bounce: torch.Tensor | None = None
         self._lock = threading.Lock()
 
