@@ -22,7 +22,7 @@ class RouterConfig:
     request_timeout_s: float = 3600.0
     max_retries: int = 2
     max_pending: int = 4096
-    kv_transport: str | None = None  # None: shm when both workers share a host, else tcp
+    kv_transport: str | None = None  # None: shm for pairs proven to share /dev/shm, else tcp
     stream_layers: bool = True
     # The Conductor's placement (conductor_placement.make_placement validates these).
     policy: str = "kvcentric"
