@@ -2,9 +2,10 @@
 (doc_hosts.py reads them) run one by one on three hosts of the network lab, each with its own
 network, hostname and /dev/shm, under CURVE keys from ``engine keys generate``: on host a the
 pool service and the router (``--kv-pool``: it hears the pool's events), on b a prefill worker,
-on c a decode worker. The only changes to the documented lines: the lab's addresses for
-10.0.0.N, the test's key directory, a smaller pool (64 MiB) and, for the workers, small memory
-options (``WORKER_EXTRA``). Greedy and seeded (temperature 0.9, top_p 0.95, seed, logprobs 3)
+on c a decode worker (both save blocks into the pool on a: ``engine pool stats`` shows them).
+The only changes to the documented lines: the lab's addresses for 10.0.0.N, the test's key
+directory, a smaller pool (64 MiB) and, for the workers, small memory options
+(``WORKER_EXTRA``). Greedy and seeded (temperature 0.9, top_p 0.95, seed, logprobs 3)
 completions through the router's HTTP API equal colocated serving (``engine.LLM`` here, same
 model and dtype, float32): tokens, text and logprobs, exactly.
 
@@ -198,6 +199,7 @@ def run_cluster(tmp_path: Path, keys: Path, colocated: list[dict], mooncake: boo
                 router_log = next(log for name, _, log in procs if name == "router")
                 pool = f"pool@{mapping['10.0.0.1']}:7600"
                 assert f"Router hears the pool service {pool}" in _tail(router_log, 20000)
+                _wait_pool_blocks(lab, mapping["10.0.0.1"], keys)
             _stop(procs)
             for h in lab.hosts:  # no arena, nonce or pool segment left on any host
                 assert lab.run(h, ["ls", "-A", "/dev/shm"]).stdout.split() == [], h
@@ -247,6 +249,22 @@ def _wait_listening(lab: NetLab, host: str, addr: str, ports, proc: subprocess.P
              "assert time.monotonic() < end, port; time.sleep(0.1)\n")  # fmt: skip
     done = lab.run(host, [sys.executable, "-c", probe, addr, *map(str, ports)], timeout=150)
     assert done.returncode == 0 and proc.poll() is None, done.stderr
+
+
+def _wait_pool_blocks(lab: NetLab, addr: str, keys: Path) -> None:
+    """The workers on b and c saved blocks into the pool service on a (their --kv-pool)."""
+    cmd = [sys.executable, "-m", "engine", "pool", "stats", "--curve-keys", str(keys),
+           "--address", f"tcp://{addr}:7600"]  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        done = lab.run("a", cmd, env=_env(), cwd=REPO)
+        assert done.returncode == 0, done.stderr
+        stats = json.loads(done.stdout)
+        namespaces = [v for k, v in stats.items() if k != "service"]
+        if any(t["blocks"] > 0 for ns in namespaces for t in ns["tiers"].values()):
+            return
+        assert time.monotonic() < deadline, f"no block reached the pool: {stats}"
+        time.sleep(0.5)
 
 
 def _tail(log: Path, chars: int = 3000) -> str:
