@@ -9,6 +9,15 @@ carries a checksum of every tensor's bytes. Anything that does not match (a trun
 file, another key, another set of tensors) is a miss: a warning, and the caller rebuilds the file.
 A cache problem is never an error: an unwritable directory only costs the speed-up.
 
+Every tensor's bytes start at a multiple of ALIGN bytes in the file (the header is padded with
+spaces, and a tensor whose size is not a multiple of ALIGN is followed by a padding tensor, named
+_PAD + a number, that ``load`` skips), so the mapped tensors are as aligned as the ones torch
+allocates. That is needed for equal results, not only speed: the float32 CPU kernels sum in
+another order for a weight 8 bytes off a 64-byte boundary (where safetensors' own writer puts
+them), and an engine that mapped such a file computed float32 logprobs up to 5e-6 apart from one
+that read the checkpoint (bf16 ones were equal). ``load`` copies any tensor that still is not
+aligned (a file written otherwise), so an engine's numbers never depend on which way it loaded.
+
 Writes go to a temporary file in the same directory, renamed into place, so a reader never sees
 half a file and concurrent writers (several workers starting at once) are harmless.
 """
@@ -16,8 +25,10 @@ half a file and concurrent writers (several workers starting at once) are harmle
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import struct
 import tempfile
 from collections.abc import Mapping
 
@@ -26,9 +37,23 @@ import xxhash
 
 logger = logging.getLogger(__name__)
 
-LOADER_VERSION = 1
+LOADER_VERSION = 2  # 2: tensors aligned to ALIGN bytes in the file
 _HEADER_BYTES = 1 << 20
 _FORMAT = "engine-weights"
+ALIGN = 64  # torch's CPU allocator's alignment (c10's gAlignment)
+_PAD = "__engine_pad__."
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+}
 
 
 def cache_key(model_path: str, dtype: torch.dtype) -> str:
@@ -75,7 +100,7 @@ def load(path: str, key: str, expected: Mapping[str, torch.Tensor]) -> dict[str,
             meta = f.metadata() or {}
             if meta.get("format") != _FORMAT or meta.get("key") != key:
                 raise ValueError("written for another model file, dtype or loader version")
-            names = set(f.keys())
+            names = {name for name in f.keys() if not name.startswith(_PAD)}
             if names != set(expected):
                 raise ValueError(f"holds {len(names)} tensors, the model has {len(expected)}")
             tensors = {name: f.get_tensor(name) for name in names}
@@ -98,14 +123,13 @@ def load(path: str, key: str, expected: Mapping[str, torch.Tensor]) -> dict[str,
     if _checksum(tensors) != meta.get("checksum"):
         logger.warning("weight cache %s: checksum mismatch (corrupt file); rebuilding it", path)
         return {}
-    return tensors
+    # A misaligned tensor runs other GEMM code (other float results): copy it into aligned memory.
+    return {n: t if t.data_ptr() % ALIGN == 0 else t.clone() for n, t in tensors.items()}
 
 
 def save(path: str, key: str, tensors: Mapping[str, torch.Tensor]) -> bool:
     """Write ``tensors`` atomically and delete the files of the same family (same model path
     and dtype, older keys); False (and a warning) when the file cannot be written."""
-    from safetensors.torch import save_file
-
     directory = os.path.dirname(path)
     tmp = None
     try:
@@ -114,9 +138,7 @@ def save(path: str, key: str, tensors: Mapping[str, torch.Tensor]) -> bool:
         os.close(fd)
         cpu = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
         meta = {"format": _FORMAT, "key": key, "checksum": _checksum(cpu)}
-        save_file(cpu, tmp, metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        _write_aligned(tmp, cpu, meta)
         os.replace(tmp, path)
         tmp = None
         _prune(path)
@@ -127,6 +149,49 @@ def save(path: str, key: str, tensors: Mapping[str, torch.Tensor]) -> bool:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     return True
+
+
+def _write_aligned(path: str, tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """A safetensors file (safe_open reads it) whose every tensor starts at a multiple of ALIGN
+    bytes from the file's start: the header padded with spaces (the format allows it), padding
+    tensors (uint8, named _PAD + a number) filling the gaps (the format allows no holes)."""
+    entries: dict[str, object] = {}
+    chunks: list[torch.Tensor | bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} is not cached")
+        size = t.numel() * t.element_size()
+        entries[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        chunks.append(t)
+        offset += size
+        gap = -offset % ALIGN
+        if gap:
+            entries[f"{_PAD}{len(entries)}"] = {
+                "dtype": "U8",
+                "shape": [gap],
+                "data_offsets": [offset, offset + gap],
+            }
+            chunks.append(bytes(gap))
+            offset += gap
+    entries["__metadata__"] = meta
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-(8 + len(header)) % ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for chunk in chunks:
+            if isinstance(chunk, bytes):
+                f.write(chunk)
+            elif chunk.numel():
+                f.write(chunk.reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _prune(path: str) -> None:
