@@ -24,6 +24,8 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
 KV_GB = 0.25  # the cache's size changes no float, only this test's memory
+# Placement changes no float either; no SLO refusal (a loaded host estimates slow steps).
+ROUTER = RouterConfig(rejection="none")
 PROMPTS = [
     "The capital of France is",
     "Once upon a time",
@@ -67,7 +69,7 @@ def test_seeded_logprobs_bitwise_equal_colocated(dtype, tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     args = ["--dtype", dtype, "--kv-cache-memory-gb", str(KV_GB)]
-    with Cluster(1, 1, worker_args=args, router_config=RouterConfig()) as cluster:
+    with Cluster(1, 1, worker_args=args, router_config=ROUTER) as cluster:
 
         async def main():
             return [(await collect(cluster.router, p, params(i)))[0] for i, p in enumerate(ids)]
