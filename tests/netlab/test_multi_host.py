@@ -47,10 +47,6 @@ WORKER_EXTRA = [
 POOL_SIZES = {"4GiB": "64MiB"}
 START_S = 300.0  # three processes load the model side by side on two busy cores
 REQUEST_S = 300.0
-# Every engine here reads the weights from the checkpoint: weights mapped from the weight cache
-# give logprobs up to 8e-7 apart from the same weights read fresh (float32, SmolLM2; the first
-# engine to start writes the cache, so which one maps would depend on the order of the tests).
-NO_WEIGHT_CACHE = {"ENGINE_WEIGHT_CACHE": "0"}
 STOP_S = 60.0
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when a goldsmith in "
@@ -87,20 +83,11 @@ print(json.dumps({"choices": out, "health": httpx.get(url + "/health", timeout=1
 
 @pytest.fixture(scope="module")
 def colocated():
-    """What engine.LLM answers for each (prompt, params): token strings, text, logprobs. Read
-    from the checkpoint, as the workers read it (``NO_WEIGHT_CACHE``)."""
+    """What engine.LLM answers for each (prompt, params): token strings, text, logprobs."""
     from engine import LLM
     from engine.sampling_params import SamplingParams
 
-    saved = os.environ.get("ENGINE_WEIGHT_CACHE")
-    os.environ.update(NO_WEIGHT_CACHE)
-    try:
-        llm = LLM("default", dtype="float32", max_model_len=512, kv_cache_memory_gb=0.25)
-    finally:
-        if saved is None:
-            os.environ.pop("ENGINE_WEIGHT_CACHE")
-        else:
-            os.environ["ENGINE_WEIGHT_CACHE"] = saved
+    llm = LLM("default", dtype="float32", max_model_len=512, kv_cache_memory_gb=0.25)
     tok = llm.tokenizer
     out = []
     for prompt, params in zip(PROMPTS, (GREEDY, SEEDED)):
@@ -141,7 +128,7 @@ def test_three_hosts_mooncake(tmp_path, keys, colocated):
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **NO_WEIGHT_CACHE)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("ENGINE_CURVE_KEYS", None)  # the documented --curve-keys only
     return env
