@@ -182,10 +182,14 @@ class KVSender(WrapsPool):
             try:
                 arena = self._peers.get(t.shm_path)
             except (OSError, ValueError) as exc:
-                self._fail(t, f"cannot map the decode worker's staging area: {exc}")
+                self._fail(t, f"cannot map the decode worker's staging area: {exc}", tell=True)
                 return
             if not 0 <= t.offset <= arena.numel() - t.layout.nbytes:  # a message says where
-                self._fail(t, f"staging area [{t.offset}, +{t.layout.nbytes}) is outside the arena")
+                self._fail(
+                    t,
+                    f"staging area [{t.offset}, +{t.layout.nbytes}) is outside the arena",
+                    tell=True,
+                )
                 return
             views = []
             for kv in (0, 1):
@@ -230,11 +234,22 @@ class KVSender(WrapsPool):
         except queue.Full:
             self._fail(t, "the KV send queue stayed full")
 
-    def _fail(self, t: SendTarget, reason: str) -> None:
-        if not t.failed:
-            t.failed = True
-            self.counters["failed_transfers"] += 1
-            log.warning("KV transfer of %s failed: %s", t.request_id, reason)
+    def _fail(self, t: SendTarget, reason: str, tell: bool = False) -> None:
+        """The transfer sends nothing more. ``tell``: its socket still works (the staging area
+        could not be mapped, a Mooncake write failed), so a KVAbort tells the decode worker at
+        once, which then recomputes or fails the request by its policy instead of waiting out
+        the transfer's deadline. Best effort: not when the send queue is full."""
+        if t.failed:
+            return
+        t.failed = True
+        self.counters["failed_transfers"] += 1
+        log.warning("KV transfer of %s failed: %s", t.request_id, reason)
+        if tell:
+            abort = m.encode(m.KVAbort(t.request_id, f"send failed: {reason}"))
+            try:
+                self._queue.put_nowait(("abort", t, abort))
+            except queue.Full:
+                pass
 
     def lookup(self, req, block_hashes, num_device_tokens: int) -> int:
         return self.inner.lookup(req, block_hashes, num_device_tokens) if self.inner else 0
@@ -271,7 +286,7 @@ class KVSender(WrapsPool):
                 if item is None:
                     return
                 t = item[1]
-                if t.failed:
+                if t.failed and item[0] != "abort":
                     continue
                 if item[0] == "layer":
                     _, t, layer, start, end, bufs, crc, ready = item
@@ -282,7 +297,7 @@ class KVSender(WrapsPool):
                     if self.faults is not None and (header := self.faults.layer(header)) is None:
                         continue
                     if t.transport == "mooncake" and not self._write_remote(t, header, bufs[0]):
-                        self._fail(t, f"Mooncake write to {t.peer_address} failed")
+                        self._fail(t, f"Mooncake write to {t.peer_address} failed", tell=True)
                         continue
                     frames = m.encode(header)
                     if header.inline:  # K rows, V rows: the receiver reads each into place

@@ -42,7 +42,10 @@ def state(cluster, wid):
 
 def test_kills_restarts_and_drain():
     reference = run_all(make_engine(max_tokens=64), [LONG_PROMPT], GREEDY)[0].outputs[0].token_ids
-    cfg = RouterConfig(heartbeat_timeout_s=2.0)
+    # No SLO refusals: on a loaded machine the estimate after a kill can exceed them (a 75 s
+    # time-between-tokens estimate refused the recovery request once), and this test is about
+    # kills, not admission.
+    cfg = RouterConfig(heartbeat_timeout_s=2.0, rejection="none")
     cluster = Cluster(2, 1, worker_args=WORKER_ARGS, router_config=cfg)
     pids = [p.pid for p in cluster.procs.values()]
     try:
