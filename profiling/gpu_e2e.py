@@ -75,7 +75,7 @@ STEPS = (
     ),
     Step(
         "graphs",
-        "LLMEngine decode at batch 1 and 8 (64 tokens), CUDA graphs on and enforce_eager",
+        "LLMEngine decode at batch 1 and 8 (--decode-tokens, 64), CUDA graphs and enforce_eager",
         "tokens equal; per-step time and launches reported (CUDA graphs on CUDA only)",
     ),
 )
@@ -252,7 +252,7 @@ def step_graphs(args) -> dict:
         engine = LLMEngine(config)
         for batch in (1, 8):
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-            params = dataclasses.replace(sampling(), max_tokens=64)
+            params = dataclasses.replace(sampling(), max_tokens=args.decode_tokens)
             for i, p in enumerate(prompts):
                 engine.add_request(p, params, request_id=f"{mode}-{batch}-{i}")
             while engine.has_unfinished_requests() and engine.step_times.steps < 2:
@@ -309,7 +309,8 @@ STEP_FUNCS: dict[str, Callable[[argparse.Namespace], dict]] = {
 def run_child(args, name: str, env_extra: dict[str, str], tag: str) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--model", args.model]
     cmd += ["--device", args.device, "--out", str(args.out), "--tag", tag]
-    cmd += ["--timeout", str(args.timeout)] + (["--kv-gb", str(args.kv_gb)] if args.kv_gb else [])
+    cmd += ["--timeout", str(args.timeout), "--decode-tokens", str(args.decode_tokens)]
+    cmd += ["--kv-gb", str(args.kv_gb)] if args.kv_gb else []
     env = {**os.environ, **env_extra}
     t0 = time.perf_counter()
     try:
@@ -341,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default=",".join(STEP_FUNCS), help="comma-separated")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds per step")
     parser.add_argument("--budget", type=float, default=None, help="seconds for all steps")
+    parser.add_argument(
+        "--decode-tokens", type=int, default=64, help="tokens per sequence in the graphs step"
+    )
     parser.add_argument("--kv-gb", type=float, default=None, help="--kv-cache-memory-gb")
     parser.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
     parser.add_argument("--child", choices=list(STEP_FUNCS), help=argparse.SUPPRESS)

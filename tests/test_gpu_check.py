@@ -63,7 +63,7 @@ def test_e2e_steps_pass_on_cpu(bundle, tmp_path):
     out = tmp_path / "e2e"
     cmd = [sys.executable, "profiling/gpu_e2e.py", "--device", "cpu"]
     cmd += ["--model", str(bundle / "model"), "--out", str(out), "--kv-gb", "0.1"]
-    proc = run(cmd, 900)
+    proc = run(cmd + ["--decode-tokens", "24"], 900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((out / "e2e.json").read_text())
     assert all(r["ok"] for r in results.values()), results
