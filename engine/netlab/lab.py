@@ -220,10 +220,13 @@ class NetLab:
         return subprocess.run(cmd, timeout=timeout, **kwargs)
 
     # links
-    def shape(self, host: str, rate: str | None) -> None:
+    def shape(self, host: str, rate: str | None, queue_ms: int = 50) -> None:
         """Limit ``host``'s link to ``rate`` (tc units: "100mbit", "1gbit", "4gbit") in both
-        directions: tbf on eth0 (what the host sends) and on its switch port (what it receives).
-        None removes the limit."""
+        directions: tbf on eth0 (what the host sends) and on its switch port (what it receives),
+        each queueing up to ``queue_ms`` of traffic (a switch port's buffer; more than that is
+        dropped). None removes the limit."""
+        if not 1 <= queue_ms <= 10_000:
+            raise ValueError(f"queue_ms must be in [1, 10000], got {queue_ms}")
         bps = None if rate is None else _rate_bits(rate)
         self.rates[host] = rate
         for ns, dev in ((self.netns(host), "eth0"), (self.switch, self._port(host))):
@@ -232,11 +235,11 @@ class NetLab:
                      check=False)  # fmt: skip
                 continue
             # burst: at least one tick's worth at HZ 250 (else tbf cannot reach the rate), and
-            # a 64 KiB GSO packet; the queue holds 50 ms of traffic.
+            # a 64 KiB GSO packet; the queue holds queue_ms of traffic.
             burst = max((bps or 0) // 8 // 250, 65536 + 1514)
             _run(
                 "ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                "rate", rate, "burst", str(burst), "latency", "50ms",
+                "rate", rate, "burst", str(burst), "latency", f"{queue_ms}ms",
             )  # fmt: skip
 
     def link_down(self, host: str) -> None:

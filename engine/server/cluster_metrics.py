@@ -45,6 +45,12 @@ def worker_metrics(status: dict[str, dict], model_name: str) -> Iterator[Metric]
         "Seconds since the router last heard from the worker.",
         labels=labels,
     )
+    gap = GaugeMetricFamily(
+        PREFIX + "worker_heartbeat_gap_max_seconds",
+        "The longest time between two heartbeats of the worker since it joined: against the "
+        "router's --heartbeat-timeout, the margin before a slow or busy link reads as a death.",
+        labels=labels,
+    )
     gauges = [(key, GaugeMetricFamily(PREFIX + name, doc, labels=labels)) for key, name, doc in
               _GAUGES]  # fmt: skip
     finished = CounterMetricFamily(
@@ -60,6 +66,7 @@ def worker_metrics(status: dict[str, dict], model_name: str) -> Iterator[Metric]
         for st in STATES:
             state.add_metric([*lv, st], 1.0 if current == st else 0.0)
         age.add_metric(lv, float(s.get("heartbeat_age_s", 0.0)))
+        gap.add_metric(lv, float(s.get("heartbeat_gap_max_s", 0.0)))
         if current in LIVE:
             for key, g in gauges:
                 g.add_metric(lv, float(s.get(key, 0)))
@@ -69,6 +76,7 @@ def worker_metrics(status: dict[str, dict], model_name: str) -> Iterator[Metric]
     yield up
     yield state
     yield age
+    yield gap
     for _, g in gauges:
         yield g
     yield finished

@@ -66,10 +66,15 @@ def test_shape_limits_both_ends_and_unshape(lab):
     lab.shape("b", "100mbit")
     shown = lab.qdisc("b")
     assert shown.count("tbf") == 2 and shown.count("rate 100Mbit") == 2
+    assert shown.count("lat 50ms") == 2  # a shallow switch buffer by default
+    lab.shape("b", "100mbit", queue_ms=800)  # a deep one
+    assert lab.qdisc("b").count("lat 800ms") == 2
     lab.shape("b", None)
     assert "tbf" not in lab.qdisc("b")
     with pytest.raises(ValueError, match="rate '1 gigabit'"):
         lab.shape("b", "1 gigabit")
+    with pytest.raises(ValueError, match="queue_ms must be in"):
+        lab.shape("b", "1gbit", queue_ms=0)
 
 
 def test_bad_host_names_are_refused():

@@ -59,6 +59,8 @@ class Worker:
     state: str = "up"  # up | draining | dead | left
     last_seen: float = 0.0
     hb: m.Heartbeat | None = None
+    last_heartbeat: float = 0.0  # when its last heartbeat (not any message) arrived
+    heartbeat_gap_max: float = 0.0  # the longest time between two of its heartbeats
 
     @property
     def live(self) -> bool:
@@ -124,7 +126,9 @@ class Membership:
         w = self.workers.get(msg.worker_id)
         if w is None or not w.live:
             return
-        w.last_seen, w.hb = now, msg
+        if w.last_heartbeat:  # how late heartbeats get (a slow or busy link shows here first)
+            w.heartbeat_gap_max = max(w.heartbeat_gap_max, now - w.last_heartbeat)
+        w.last_seen, w.last_heartbeat, w.hb = now, now, msg
         if msg.state == "draining":
             w.state = "draining"
         if msg.steps > 0 and w.role == "decode":  # the Conductor's TBT model learns
@@ -239,6 +243,7 @@ class Membership:
                 "transfers": hb.transfers if hb else 0,
                 "finished": dict(hb.finished) if hb else {},
                 "heartbeat_age_s": round(max(0.0, now - w.last_seen), 3),
+                "heartbeat_gap_max_s": round(w.heartbeat_gap_max, 3),
             }
             if w.role == "prefill":  # which decode workers it reaches by shared memory
                 out[w.worker_id]["shm_peers"] = sorted(w.shm_peers)

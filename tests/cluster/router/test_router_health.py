@@ -120,6 +120,8 @@ def test_metrics_and_health_show_every_workers_state_and_load(cluster):
         # A dead worker's last report is not shown as current load.
         assert key("engine:worker_num_requests_running", worker="p1", role="prefill") not in s
         assert s[key("engine:worker_heartbeat_age_seconds", worker="p1", role="prefill")] > 0.5
+        gap = s[key("engine:worker_heartbeat_gap_max_seconds", worker="d0", role="decode")]
+        assert 0 < gap < 5  # the longest time between two of d0's heartbeats
         # The engine's own series are still there, under their names.
         assert any(name == "engine:num_requests_running" for name, _ in s)
         assert any(name == "engine:cpu_isa_info" for name, _ in s)  # the router's own CPU
