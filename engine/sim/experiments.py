@@ -12,7 +12,10 @@ its results for the plots (engine/sim/plots.py) and the document (engine/sim/rep
 3. ``exp_colocated``: requests meeting both SLOs, disaggregated vs colocated, at TBT
    100/200/300 ms (FAST'25 Fig. 1), and ``capacity`` read off them;
 4. ``exp_hit_rate``: prefix cache hit rate against capacity and eviction policy (arXiv-v3
-   Table 1).
+   Table 1);
+5. ``exp_long_prompts``: TTFT of lone long prompts (16k to 128k tokens, the lengths of arXiv-v3's
+   simulated data set) on a single prefill instance and on prefill groups of 2, 4 and 8 stages
+   (chunked pipeline parallelism, arXiv-v3 §5.1; the papers give no figure for it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import math
 import sys
 from pathlib import Path
 
+from engine.cluster.conductor.cost_model import get_cost_model
+from engine.sim.simulate import long_prompt_trace
 from engine.sim.simulator import SimCache, SimConfig, Simulator
 from engine.sim.trace import load_trace
 
@@ -40,7 +45,9 @@ PAPER_TABLE1 = {  # capacity in 512-token blocks -> LRU, LFU, LengthAware
 }
 
 
-def command(cfg: SimConfig, speed: float, duration: float) -> str:
+def command(
+    cfg: SimConfig, speed: float, duration: float, long_prompts: tuple[int, ...] = ()
+) -> str:
     """The simulate.py command line of a run."""
     d = SimConfig()
     parts = [".venv/bin/python profiling/simulate.py"]
@@ -48,6 +55,12 @@ def command(cfg: SimConfig, speed: float, duration: float) -> str:
         parts.append(f"--colocated {cfg.colocated}")
     else:
         parts.append(f"--prefill {cfg.prefill} --decode {cfg.decode}")
+    if cfg.prefill_groups:
+        parts.append(f"--prefill-groups {cfg.prefill_groups} --stages {cfg.stages}")
+        if cfg.chunk_tokens != d.chunk_tokens:
+            parts.append(f"--chunk-tokens {cfg.chunk_tokens}")
+    if long_prompts:
+        parts.append("--long-prompts " + ",".join(map(str, long_prompts)))
     parts.append(f"--policy {cfg.policy} --rejection {cfg.rejection} --speed {speed:g}")
     for flag, field in (
         ("--ttft-slo", "ttft_slo_s"),
@@ -73,13 +86,23 @@ class Runner:
         self.quick = quick
         self.runs: list[dict] = []
 
-    def run(self, cfg: SimConfig, speed: float = 1.0, duration: float = 0.0):
-        if self.quick:
-            duration = min(duration or 600.0, 600.0)
-        reqs = load_trace(self.trace, speed, duration_s=duration)
+    def run(
+        self,
+        cfg: SimConfig,
+        speed: float = 1.0,
+        duration: float = 0.0,
+        long_prompts: tuple[int, ...] = (),
+    ):
+        if long_prompts:  # instead of the trace (simulate.py --long-prompts)
+            bt = get_cost_model(cfg.cost_model).block_tokens
+            reqs = long_prompt_trace(list(long_prompts), bt)
+        else:
+            if self.quick:
+                duration = min(duration or 600.0, 600.0)
+            reqs = load_trace(self.trace, speed, duration_s=duration)
         sim = Simulator(cfg, reqs)
         res = sim.run()
-        res["command"] = command(cfg, speed, duration)
+        res["command"] = command(cfg, speed, duration, long_prompts)
         self.runs.append({k: v for k, v in res.items() if k != "config"})
         print(f"  {res['wall_s']:6.1f}s  {res['command']}", file=sys.stderr, flush=True)
         return sim, res
@@ -185,4 +208,25 @@ def exp_hit_rate(r: Runner) -> dict:
                 total += q.input_len
                 cache.insert(keys, set(keys))
             out[(cap, policy)] = hit / total
+    return out
+
+
+# -- 5. long prompts: chunked pipeline parallelism ----------------------------------------------
+
+LONG_LENGTHS = (16384, 32768, 65536, 131072)  # arXiv-v3 Table 2's simulated data set
+GROUP_STAGES = (1, 2, 4, 8)  # 1: a single prefill instance
+
+
+def exp_long_prompts(r: Runner) -> dict:
+    """TTFT of each length alone on the cluster, by stages: {stages: {length: seconds}}."""
+    out: dict = {}
+    for stages in GROUP_STAGES:
+        if stages == 1:
+            cfg = SimConfig(prefill=1, decode=1, rejection="none", ttft_slo_s=INF)
+        else:
+            cfg = SimConfig(prefill=0, prefill_groups=1, stages=stages, decode=1,
+                            rejection="none", ttft_slo_s=INF)  # fmt: skip
+        sim, res = r.run(cfg, long_prompts=LONG_LENGTHS)
+        out[stages] = {n: sim.ttft[str(i)] for i, n in enumerate(LONG_LENGTHS)}
+        out[stages]["command"] = res["command"]
     return out

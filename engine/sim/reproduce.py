@@ -8,7 +8,9 @@ why they differ) and its plots under docs/figures/. Four experiments:
 2. rejected requests under overload with no, early and predicted early rejection (arXiv-v3
    Table 3), with prefill and decode load over time (arXiv-v3 Fig. 9-10);
 3. requests meeting both SLOs, disaggregated vs colocated, at TBT 100/200/300 ms (FAST'25 Fig. 1);
-4. prefix cache hit rate against capacity and eviction policy (arXiv-v3 Table 1).
+4. prefix cache hit rate against capacity and eviction policy (arXiv-v3 Table 1);
+5. TTFT of long prompts on single prefill instances and on prefill groups (chunked pipeline
+   parallelism).
 
 ``--quick`` runs each on the first 10 minutes of the trace (a smoke test of this script).
 
@@ -33,6 +35,7 @@ from engine.sim.experiments import (
     Runner,
     exp_colocated,
     exp_hit_rate,
+    exp_long_prompts,
     exp_policies,
     exp_rejection,
 )
@@ -48,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--quick", action="store_true", help="first 10 minutes of the trace only")
-    ap.add_argument("--only", choices=("policies", "rejection", "colocated", "hit_rate"))
+    ap.add_argument(
+        "--only", choices=("policies", "rejection", "colocated", "hit_rate", "long_prompts")
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     figs = out / "figures"
@@ -63,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         ("rejection", exp_rejection),
         ("colocated", exp_colocated),
         ("hit_rate", exp_hit_rate),
+        ("long_prompts", exp_long_prompts),
     ):
         if args.only and name != args.only and name in saved:
             results[name] = _load(name, saved[name])
@@ -83,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         results["rejection"],
         results["colocated"],
         results["hit_rate"],
+        results["long_prompts"],
         r,
         sum(walls.values()),
     )

@@ -2,6 +2,8 @@
 
     python profiling/simulate.py --prefill 8 --decode 8 --policy kvcentric --rejection predicted \\
         --speed 1.0 --json     # the Mooncake trace in data/traces/ unless --trace FILE
+    python profiling/simulate.py --prefill 0 --prefill-groups 1 --stages 4 --decode 1 \\
+        --long-prompts 16384,131072    # TTFT of long prompts on a prefill group
 
 prints one JSON object (``--json``) or a table: TTFT mean/p50/p90 over completed requests, TBT p90
 over all token intervals, completed and rejected requests, the prompt-token cache hit rate, the
@@ -23,17 +25,31 @@ import pstats
 import sys
 
 from engine.cluster.conductor.conductor import POLICIES
-from engine.cluster.conductor.cost_model import COST_MODELS
+from engine.cluster.conductor.cost_model import COST_MODELS, get_cost_model
 from engine.cluster.conductor.rejection import REJECTIONS
 from engine.kvstore.eviction import POLICIES as EVICTIONS
 from engine.sim.simulator import DEFAULT_CACHE_BLOCKS, SimConfig, Simulator
-from engine.sim.trace import DEFAULT_TRACE, load_trace
+from engine.sim.trace import DEFAULT_TRACE, TraceRequest, load_trace
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
-    p.add_argument("--prefill", type=int, default=8, help="prefill instances")
+    p.add_argument("--prefill", type=int, default=8, help="single prefill instances")
+    p.add_argument(
+        "--prefill-groups", type=int, default=0, help="prefill groups (chunked pipeline "
+        "parallelism) beside the single instances"
+    )  # fmt: skip
+    p.add_argument("--stages", type=int, default=2, help="instances (stages) per prefill group")
+    p.add_argument(
+        "--chunk-tokens", type=int, default=4096, help="a group cuts a prompt whose uncached "
+        "part is longer into chunks of this many tokens"
+    )  # fmt: skip
+    p.add_argument(
+        "--long-prompts", default="", metavar="LENGTHS", help="instead of a trace: one prompt "
+        "of each length (comma-separated tokens, e.g. 16384,131072), alone in the cluster; "
+        "prints each one's TTFT"
+    )  # fmt: skip
     p.add_argument("--decode", type=int, default=8, help="decode instances")
     p.add_argument(
         "--colocated", type=int, default=0, help="N colocated instances instead (vLLM-like)"
@@ -62,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def config_from(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         prefill=args.prefill,
+        prefill_groups=args.prefill_groups,
+        stages=args.stages,
+        chunk_tokens=args.chunk_tokens,
         decode=args.decode,
         colocated=args.colocated,
         policy=args.policy,
@@ -82,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = config_from(args)
-        requests = load_trace(args.trace, args.speed, args.limit, args.duration)
+        if args.long_prompts:
+            lengths = parse_lengths(args.long_prompts)
+            requests = long_prompt_trace(lengths, get_cost_model(cfg.cost_model).block_tokens)
+        else:
+            requests = load_trace(args.trace, args.speed, args.limit, args.duration)
     except (ValueError, OSError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
@@ -93,10 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
     else:
         result = sim.run()
-    result["trace"] = args.trace
+    result["trace"] = args.trace if not args.long_prompts else "long prompts"
     result["speed"] = args.speed
+    if args.long_prompts:  # each prompt's TTFT, by its length
+        result["long_prompts"] = {
+            str(r.input_len): sim.ttft.get(str(r.index), math.nan) for r in requests
+        }
     if args.json:
         print(json.dumps(_finite(result), sort_keys=True))
+        return 0
+    if args.long_prompts:
+        for length, ttft in result["long_prompts"].items():
+            print(f"{int(length):>10,} tokens  TTFT {ttft:.3f} s")
         return 0
     for key in (
         "requests completed rejected rejected_at_arrival rejected_after_prefill ttft_mean_s "
@@ -105,6 +136,31 @@ def main(argv: list[str] | None = None) -> int:
         v = result[key]
         print(f"{key:>24}  {v:.4g}" if isinstance(v, float) else f"{key:>24}  {v}")
     return 0
+
+
+LONG_PROMPT_GAP_S = 1e6  # between the prompts of --long-prompts: each finds the cluster idle
+
+
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--long-prompts: comma-separated token counts, got {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--long-prompts: token counts >= 1, got {text!r}")
+    return lengths
+
+
+def long_prompt_trace(lengths: list[int], block_tokens: int) -> list[TraceRequest]:
+    """One request per length, far apart, no shared prefix (fresh block ids), one output
+    token: each prompt's TTFT is its prefill alone on an idle cluster."""
+    out, next_id = [], 0
+    for i, n in enumerate(lengths):
+        blocks = -(-n // block_tokens)
+        ids = tuple(range(next_id, next_id + blocks))
+        next_id += blocks
+        out.append(TraceRequest(i, i * LONG_PROMPT_GAP_S, n, 1, ids))
+    return out
 
 
 def _finite(obj):

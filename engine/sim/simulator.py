@@ -32,6 +32,7 @@ import numpy as np
 
 from engine.cluster.conductor.conductor import Conductor, ConductorConfig
 from engine.cluster.conductor.cost_model import CostModel, get_cost_model
+from engine.cluster.conductor.pipeline import SINGLE, PipelineShape, run_pipeline, stage_plan
 from engine.kvstore.eviction import POLICIES as EVICTIONS
 from engine.kvstore.eviction import make_policy
 from engine.sim.trace import TraceRequest
@@ -42,8 +43,14 @@ DEFAULT_CACHE_BLOCKS = 3_000_000 // 512
 
 @dataclass(frozen=True)
 class SimConfig:
-    prefill: int = 8
+    prefill: int = 8  # single prefill instances
     decode: int = 8
+    # Prefill groups of ``stages`` instances each (chunked pipeline parallelism, beside the
+    # single ones): a prompt whose uncached part exceeds ``chunk_tokens`` is cut into chunks
+    # that flow through the stages (engine/cluster/conductor/pipeline.py).
+    prefill_groups: int = 0
+    stages: int = 2
+    chunk_tokens: int = 4096
     colocated: int = 0  # > 0: that many colocated instances instead of prefill + decode
     policy: str = "kvcentric"
     rejection: str = "predicted"
@@ -63,10 +70,19 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.colocated < 0:
             raise ValueError(f"colocated must be >= 0, got {self.colocated}")
-        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+        if self.prefill < 0 or self.prefill_groups < 0:
             raise ValueError(
-                f"prefill and decode must be >= 1, got {self.prefill} and {self.decode}"
+                f"prefill and prefill_groups must be >= 0, got {self.prefill} and "
+                f"{self.prefill_groups}"
             )
+        if not self.colocated and (self.prefill + self.prefill_groups < 1 or self.decode < 1):
+            raise ValueError(
+                f"need a prefill instance or group and a decode instance, got prefill="
+                f"{self.prefill}, prefill_groups={self.prefill_groups}, decode={self.decode}"
+            )
+        if self.prefill_groups and self.stages < 2:
+            raise ValueError(f"stages must be >= 2 in a prefill group, got {self.stages}")
+        PipelineShape(self.stages, self.chunk_tokens)  # validates chunk_tokens
         if self.cache_blocks < 0 or self.pool_blocks < 0:
             raise ValueError("cache_blocks and pool_blocks must be >= 0")
         if self.eviction not in EVICTIONS:
@@ -144,10 +160,15 @@ class _Req:
 
 @dataclass
 class _Prefill:
+    """A prefill instance, or a group (its stages share one view of the cached blocks, as the
+    group reports the prefix all its stages hold)."""
+
     name: str
     cache: SimCache
     queue: deque = field(default_factory=deque)
-    job: _Req | None = None
+    job: _Req | None = None  # the request entering it (a group: still on its first stage)
+    shape: PipelineShape = SINGLE
+    free: list[float] = field(default_factory=list)  # a group: when each stage is next idle
 
 
 @dataclass
@@ -170,7 +191,7 @@ class _Decode:
     prefilling: _Req | None = None
 
 
-ARRIVE, PREFILL_END, KV_ARRIVE, STEP_END, SAMPLE, COLOC_PREFILL_END = range(6)
+ARRIVE, PREFILL_END, KV_ARRIVE, STEP_END, SAMPLE, COLOC_PREFILL_END, PREFILL_NEXT = range(7)
 
 
 class Simulator:
@@ -200,6 +221,12 @@ class Simulator:
                 name = f"p{i}"
                 self.prefills[name] = _Prefill(name, SimCache(config.cache_blocks, config.eviction))
                 self.conductor.add_instance(name, "prefill")
+            shape = PipelineShape(config.stages, config.chunk_tokens)
+            for i in range(config.prefill_groups):
+                name = f"g{i}"
+                cache = SimCache(config.cache_blocks, config.eviction)
+                self.prefills[name] = _Prefill(name, cache, shape=shape, free=[0.0] * shape.stages)
+                self.conductor.add_instance(name, "prefill", shape=shape)
             for i in range(config.decode):
                 name = f"d{i}"
                 self.decodes[name] = _Decode(name, cap, self.cost.max_batch)
@@ -239,6 +266,7 @@ class Simulator:
             STEP_END: self._step_end,
             SAMPLE: self._sample,
             COLOC_PREFILL_END: self._coloc_prefill_end,
+            PREFILL_NEXT: self._prefill_next,
         }
         events = self._events
         pending = len(self.requests)
@@ -294,8 +322,25 @@ class Simulator:
         hit = p.cache.match(keys)
         p.cache.touch(keys[:hit])
         req.cached = min(hit * self.bt, req.tr.input_len - 1)
-        req.compute_s = self.cost.prefill_s(req.tr.input_len - req.cached, req.cached)
-        self._at(self.now + copy_s + req.compute_s, PREFILL_END, p)
+        start = self.now + copy_s
+        new = req.tr.input_len - req.cached
+        if p.shape.stages == 1:
+            req.compute_s = self.cost.prefill_s(new, req.cached)
+            end = next_at = start + req.compute_s
+        else:  # through the stages in chunks; the next prompt enters once stage 0 is free
+            per, hops = stage_plan(
+                self.cost.prefill_s, self.cost.hidden_copy_s, new, req.cached, p.shape
+            )
+            end, p.free = run_pipeline(per, hops, p.free, start)
+            req.compute_s = end - start
+            next_at = p.free[0]
+        self._at(end, PREFILL_END, (p, req))
+        self._at(next_at, PREFILL_NEXT, p)
+
+    def _prefill_next(self, p: _Prefill) -> None:
+        p.job = None
+        if p.queue:
+            self._start_prefill(p)
 
     def _store(self, p: _Prefill, keys, pinned) -> None:
         new, evicted = p.cache.insert(keys, pinned)
@@ -304,8 +349,8 @@ class Simulator:
         if evicted:
             self.conductor.on_event(p.name, {"type": "removed", "keys": evicted, "source": p.name})
 
-    def _prefill_end(self, p: _Prefill) -> None:
-        req, p.job = p.job, None
+    def _prefill_end(self, job: tuple[_Prefill, _Req]) -> None:
+        p, req = job
         keys = req.tr.hash_ids
         self._store(p, keys, pinned=set(keys))
         if self.pool is not None:
@@ -320,8 +365,6 @@ class Simulator:
         req.t_first = self.now
         self.ttft[req.rid] = self.now - req.tr.arrival_s
         self._at(self.now + self.cost.stream_tail_s(req.tr.input_len), KV_ARRIVE, req)
-        if p.queue:
-            self._start_prefill(p)
 
     # -- decode ----------------------------------------------------------------------------------
 

@@ -179,3 +179,55 @@ def test_cli_prints_one_json_object(tmp_path, capsys):
     assert 0 < out["cache_hit_rate"] < 1
     assert simulate.main(["--trace", str(path), "--speed", "0"]) == 2
     assert "speed must be > 0" in capsys.readouterr().err
+
+
+def group_config(stages: int = 4, prefill: int = 0) -> SimConfig:
+    return SimConfig(prefill=prefill, prefill_groups=1, stages=stages, decode=1,
+                     rejection="none", ttft_slo_s=float("inf"))  # fmt: skip
+
+
+def test_a_prefill_group_pipelines_chunks_and_the_next_prompt():
+    from engine.cluster.conductor.pipeline import PipelineShape, run_pipeline, stage_plan
+
+    n = 65_536
+    a = TraceRequest(0, 0.0, n, 2, tuple(range(0, 128)))
+    b = TraceRequest(1, 0.0, n, 2, tuple(range(1000, 1128)))  # at once, nothing shared
+    sim, res = run(group_config(), [a, b])
+    assert res["completed"] == 2
+    per, hops = stage_plan(PAPER.prefill_s, PAPER.hidden_copy_s, n, 0, PipelineShape(4, 4096))
+    end_a, free = run_pipeline(per, hops, [0.0] * 4, 0.0)
+    end_b, _ = run_pipeline(per, hops, free, 0.0)
+    assert sim.ttft["0"] == pytest.approx(end_a, rel=1e-12)
+    # The second enters once stage 0 is free, not once the first left the last stage.
+    assert sim.ttft["1"] == pytest.approx(end_b, rel=1e-12)
+    assert end_b < 2 * end_a
+    assert end_a < PAPER.prefill_s(n, 0) / 2  # four stages beat one instance
+
+
+def test_groups_and_single_instances_side_by_side():
+    long = TraceRequest(0, 0.0, 131_072, 2, tuple(range(256)))
+    short = TraceRequest(1, 1e5, 900, 2, (5000, 5001))
+    sim, res = run(group_config(prefill=1), [long, short])
+    assert res["completed"] == 2
+    assert sim.ttft["0"] < PAPER.prefill_s(131_072, 0) * 0.35  # the group took it
+    assert sim.ttft["1"] == pytest.approx(PAPER.prefill_s(900, 0), rel=1e-9)  # a single one
+
+
+def test_group_settings_are_checked():
+    with pytest.raises(ValueError, match="need a prefill instance or group"):
+        SimConfig(prefill=0, decode=1)
+    with pytest.raises(ValueError, match="stages must be >= 2 in a prefill group"):
+        SimConfig(prefill_groups=1, stages=1)
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+        SimConfig(prefill_groups=1, chunk_tokens=0)
+
+
+def test_cli_long_prompts(capsys):
+    argv = ["--prefill", "0", "--prefill-groups", "1", "--stages", "4", "--decode", "1",
+            "--long-prompts", "16384,131072", "--json"]  # fmt: skip
+    assert simulate.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["long_prompts"]) == {"16384", "131072"}
+    assert out["long_prompts"]["131072"] < 0.35 * PAPER.prefill_s(131_072, 0)
+    assert simulate.main(["--long-prompts", "12,x"]) == 2
+    assert "comma-separated token counts" in capsys.readouterr().err

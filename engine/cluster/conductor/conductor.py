@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from engine.cluster.conductor import decision as pl
 from engine.cluster.conductor.cost_model import PAPER, CostModel
+from engine.cluster.conductor.pipeline import SINGLE, PipelineShape, pipelined_prefill_s
 from engine.cluster.conductor.prefix_index import PrefixIndex
 from engine.cluster.conductor.rejection import (
     REJECTIONS,
@@ -103,10 +104,12 @@ class ConductorConfig:
 
 
 class _Prefill:
-    """A prefill instance's FIFO queue of estimated durations."""
+    """A prefill instance's (or group's) FIFO queue of estimated durations: how long each
+    request keeps it (a group: each stage) busy."""
 
-    def __init__(self, instance_id: str) -> None:
+    def __init__(self, instance_id: str, shape: PipelineShape = SINGLE) -> None:
         self.instance_id = instance_id
+        self.shape = shape
         self.queue: dict[str, float] = {}  # request -> estimated seconds, in arrival order
         self.queued_s = 0.0
         self.head_started = 0.0
@@ -142,6 +145,9 @@ class Estimate(NamedTuple):
     transfer_s: float
     queue_s: float
     prefill_s: float
+    # How long the prefill keeps the instance busy (a group's stages each: the next prompt
+    # starts behind it while its last chunks finish); None: prefill_s (a single instance).
+    busy_s: float | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -170,11 +176,21 @@ class Conductor:
 
     # -- cluster membership and events ---------------------------------------------------------
 
-    def add_instance(self, instance_id: str, role: str, kv_capacity_tokens: int = 0) -> None:
+    def add_instance(
+        self,
+        instance_id: str,
+        role: str,
+        kv_capacity_tokens: int = 0,
+        shape: PipelineShape = SINGLE,
+    ) -> None:
+        """``shape``: a prefill group's stages and chunk size (chunked pipeline parallelism,
+        pipeline.py); the default is a single instance."""
         if role not in pl.ROLES:
             raise ValueError(f"role must be one of {pl.ROLES}, got {role!r}")
         if kv_capacity_tokens < 0:
             raise ValueError(f"kv_capacity_tokens must be >= 0, got {kv_capacity_tokens}")
+        if shape.stages > 1 and role != "prefill":
+            raise ValueError(f"only prefill instances form pipeline groups, not {role!r}")
         if role == "decode":
             self._decodes[instance_id] = DecodeState(
                 instance_id, kv_capacity_tokens, self.prior.max_batch
@@ -182,7 +198,7 @@ class Conductor:
             return
         self.index.add_holder(instance_id)
         if role == "prefill":
-            self._prefills[instance_id] = _Prefill(instance_id)
+            self._prefills[instance_id] = _Prefill(instance_id, shape)
         elif instance_id not in self._pools:
             self._pools.append(instance_id)
 
@@ -217,14 +233,8 @@ class Conductor:
         queue_s = self._prefills[instance_id].queue_s(now)
         cap = prompt_len - 1  # the last token is always computed
         cached = min(local * bt, cap)
-        own = Estimate(
-            instance_id,
-            local,
-            local,
-            0.0,
-            queue_s,
-            self.prefill_model.predict(prompt_len - cached, cached),
-        )
+        timing = self._prefill_time(instance_id, prompt_len, cached)
+        own = Estimate(instance_id, local, local, 0.0, queue_s, *timing)
         best_len, holder = best
         if holder is None or holder == instance_id or best_len <= local:
             return own
@@ -240,9 +250,19 @@ class Conductor:
             local,
             wait + self.prior.copy_s(cached_b - cached),
             queue_s,
-            self.prefill_model.predict(prompt_len - cached_b, cached_b),
+            *self._prefill_time(instance_id, prompt_len, cached_b),
         )
         return copied if copied.ttft_s < own.ttft_s else own
+
+    def _prefill_time(self, instance_id: str, prompt_len: int, cached: int) -> tuple[float, float]:
+        """(seconds to the first token, seconds the instance is busy) of a prefill of
+        ``prompt_len`` tokens with ``cached`` of them held: on a group, pipelined over its stages
+        (the fitted model times each chunk)."""
+        shape = self._prefills[instance_id].shape
+        return pipelined_prefill_s(
+            self.prefill_model.predict, self.prior.hidden_copy_s, prompt_len - cached, cached,
+            shape,
+        )  # fmt: skip
 
     def decide(
         self,
@@ -285,7 +305,8 @@ class Conductor:
         # The chosen instance will hold the whole prompt's blocks (Mooncake: "the Conductor
         # updates the chosen instance's cache"); its events will confirm or correct this.
         self.index.stored(est.instance_id, keys)
-        self._prefills[est.instance_id].push(request_id, est.transfer_s + est.prefill_s, now)
+        busy = est.prefill_s if est.busy_s is None else est.busy_s
+        self._prefills[est.instance_id].push(request_id, est.transfer_s + busy, now)
         cached = min(est.prefix_blocks * self.config.block_tokens, prompt_len - 1)
         self._prefill_est[request_id] = (prompt_len - cached, cached)
         duration = None
@@ -398,10 +419,14 @@ class Conductor:
         where = self._where.get(request_id)
         if where is None:
             return
+        group = False
         if where[0] in self._prefills:
             self._prefills[where[0]].pop(request_id, now)
+            group = self._prefills[where[0]].shape.stages > 1
         new, cached = self._prefill_est.pop(request_id, (0, 0))
-        if seconds is not None and new > 0:
+        # The fitted model times a whole prefill on one instance; a group's pipelined time is
+        # derived from it, so a group's measurement does not train it.
+        if seconds is not None and new > 0 and not group:
             if cached_tokens is not None:
                 new, cached = new + cached - cached_tokens, cached_tokens
             self.prefill_model.observe(new, cached, seconds)

@@ -98,6 +98,13 @@ class CostModel:
             return 0.0
         return self.copy_latency_s + tokens * self.kv_bytes_per_token / self.copy_bytes_per_s
 
+    def hidden_copy_s(self, tokens: int) -> float:
+        """Seconds to pass ``tokens`` tokens' hidden states (16-bit) from one pipeline stage to
+        the next (chunked pipeline parallelism, pipeline.py), over the same links as KV."""
+        if tokens <= 0:
+            return 0.0
+        return self.copy_latency_s + tokens * self.hidden * 2 / self.copy_bytes_per_s
+
     def stream_tail_s(self, prompt_tokens: int) -> float:
         """What layer-wise streaming leaves after the prefill ends (added to TTFT)."""
         return self.stream_tail_fraction * self.copy_s(prompt_tokens)
