@@ -167,6 +167,9 @@ class DecodeRequest(_PromptRequest, kind="decode_request"):
     # process is gone. Else the pid means nothing here (another host or container).
     sender_pid: int = 0
     sender_local: bool = False
+    # KVDone messages that end the transfer: 1 from a single prefill worker, one per stage from
+    # a prefill group (each sends its own layers).
+    senders: int = 1
 
 
 class PrefillRequest(_PromptRequest, kind="prefill_request"):
@@ -253,6 +256,11 @@ class KVDone(Message, kind="kv_done"):
     num_layers: int
     num_cached_tokens: int
     firsts: list[dict]
+    # The layers this sender sent, [layer_start, layer_end) (layer_end 0: to the last): all of
+    # them from a single prefill worker; its own range from each stage of a prefill group, whose
+    # last stage alone sends ``firsts`` (the decode worker waits for DecodeRequest.senders).
+    layer_start: int = 0
+    layer_end: int = 0
 
     def expected_frames(self) -> int:
         return sum(1 for f in self.firsts if isinstance(f, dict) and f.get("generator"))

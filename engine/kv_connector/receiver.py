@@ -111,12 +111,17 @@ class KVReceiver(WrapsPool):
         deadline_s: float,
         sender_pid: int = 0,
         sender_local: bool = True,
+        senders: int = 1,
     ) -> Transfer:
         """Reserve staging for a request's prompt KV; MemoryError when the arena is full.
         sender_pid: the prefill worker the router placed the request on (0: not told, then a
         released area is quarantined until the sender is done or QUARANTINE_S); sender_local:
         it shares this process's /dev/shm and pid namespace (the router proved it,
-        shm_proof.py), so its pid is watched; else it is elsewhere and sends frames."""
+        shm_proof.py), so its pid is watched; else it is elsewhere and sends frames. senders:
+        the KVDone messages that end the transfer (a prefill group: one per stage, each for its
+        own layers)."""
+        if not 1 <= senders <= self.num_layers:
+            raise ValueError(f"senders must be in [1, {self.num_layers}], got {senders}")
         layout = KVLayout(self.num_layers, num_tokens, self.token_bytes)
         with self._lock:
             if request_id in self._transfers:
@@ -127,7 +132,7 @@ class KVReceiver(WrapsPool):
                     f"the KV staging area is full ({self.arena.used} of {self.arena.nbytes} "
                     f"bytes held; this request needs {layout.nbytes})"
                 )
-            t = Transfer(request_id, offset, layout, time.monotonic() + deadline_s)
+            t = Transfer(request_id, offset, layout, time.monotonic() + deadline_s, senders=senders)
             t.pieces = [[] for _ in range(self.num_layers)]
             local = sender_local
             if sender_pid > 0 and local:
@@ -415,8 +420,9 @@ class KVReceiver(WrapsPool):
             if t is None or t.freed:
                 return  # unknown or forgotten: late data is dropped
             if isinstance(msg, (m.KVDone, m.KVAbort)):
-                t.sender_done = True
-                if t.released_at is not None:
+                t.reported += 1
+                t.sender_done = t.reported >= t.senders
+                if t.sender_done and t.released_at is not None:
                     self._free(t)  # quarantine over: the sender writes no more
                     return
             if t.finished:
@@ -426,9 +432,16 @@ class KVReceiver(WrapsPool):
                 if err is not None:
                     self._end(t, err)
             elif isinstance(msg, m.KVDone):
-                t.done = msg
-                self._end(t, t.completion_problem(msg))
-                t.complete_time = time.monotonic()
+                err = t.completion_problem(msg)
+                if msg.firsts and t.done is None:
+                    t.done = msg  # kept on failure too: recompute goes on from these tokens
+                if err is not None:
+                    self._end(t, err)
+                else:
+                    t.done_ranges.append((msg.layer_start, msg.layer_end or t.layout.num_layers))
+                    if t.complete:
+                        self._end(t, None)
+                        t.complete_time = time.monotonic()
             elif isinstance(msg, m.KVAbort):
                 self._end(t, f"the prefill worker gave up: {msg.reason}")
             else:

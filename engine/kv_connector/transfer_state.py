@@ -21,13 +21,16 @@ class Transfer:
     inline: bool | None = None  # pieces come as frames (TCP, copied here) or were staged by the
     # sender (shared memory, Mooncake)
     error: str | None = None
-    done: m.KVDone | None = None
+    done: m.KVDone | None = None  # the KVDone that carried the first tokens
+    senders: int = 1  # KVDone messages that end it (a prefill group: one per stage)
+    done_ranges: list[tuple[int, int]] = field(default_factory=list)  # layers declared done
+    reported: int = 0  # senders that said KVDone or KVAbort
     finished: bool = False  # KVDone or a failure was reported to the worker
     complete_time: float = 0.0  # monotonic time KVDone came
     last_piece_time: float = 0.0  # monotonic time the last layer piece came (benchmarks)
     children: set[str] = field(default_factory=set)  # engine requests still to load
     freed: bool = False
-    sender_done: bool = False  # KVDone or KVAbort came: the sender writes no more
+    sender_done: bool = False  # every sender said KVDone or KVAbort: none writes any more
     released_at: float | None = None  # released before the sender was done (shared memory)
     writer: ProcessId | None = None  # shm: the prefill process that may write into the area
     sender: ProcessId | None = None  # the prefill process on this host that sends the KV
@@ -35,7 +38,12 @@ class Transfer:
 
     @property
     def ok(self) -> bool:
-        return self.done is not None and self.error is None
+        return self.complete and self.done is not None and self.error is None
+
+    @property
+    def complete(self) -> bool:
+        """Every sender's KVDone came (each one checked when it came)."""
+        return len(self.done_ranges) == self.senders
 
     def piece_problem(self, msg: m.KVLayer) -> str | None:
         """What is wrong with a layer piece before its bytes are looked at; None if nothing."""
@@ -52,12 +60,28 @@ class Transfer:
         return None
 
     def completion_problem(self, done: m.KVDone) -> str | None:
-        """What ``KVDone`` leaves missing: every layer must cover every token once."""
-        T = self.layout.num_tokens
-        if done.num_tokens != T or done.num_layers != self.layout.num_layers:
+        """What one sender's ``KVDone`` leaves wrong: each layer it declares must cover every
+        token once, no other sender declared them, one sender only sends the first tokens, and
+        once every sender's came, the layers are all there."""
+        T, L = self.layout.num_tokens, self.layout.num_layers
+        if done.num_tokens != T or done.num_layers != L:
             return f"KVDone for {done.num_tokens} tokens x {done.num_layers} layers, expected {T}"
-        for i, pieces in enumerate(self.pieces):
-            covered = sum(b - a for a, b in pieces)  # no overlaps: checked on arrival
+        a, b = done.layer_start, done.layer_end or L
+        if not 0 <= a < b <= L:
+            return f"KVDone for layers [{a}, {b}): out of range [0, {L})"
+        for c, d in self.done_ranges:
+            if a < d and c < b:
+                return f"layers [{max(a, c)}, {min(b, d)}) declared done by two senders"
+        if done.firsts and self.done is not None:
+            return "first tokens came from two senders"
+        for i in range(a, b):
+            covered = sum(y - x for x, y in self.pieces[i])  # no overlaps: checked on arrival
             if covered != T:
                 return f"layer {i} is missing: {covered} of {T} tokens arrived"
+        if len(self.done_ranges) + 1 == self.senders:  # the last one
+            declared = sum(d - c for c, d in self.done_ranges) + b - a
+            if declared != L:
+                return f"the senders declared {declared} of {L} layers done"
+            if not done.firsts and self.done is None:
+                return "no sender sent the first tokens"
         return None

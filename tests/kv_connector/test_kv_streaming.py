@@ -7,7 +7,6 @@ fails transfers that are corrupt, incomplete, duplicated or late."""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 import torch
 import zmq
 from engines import make_engine, run_all
+from synthetic_kv import BS, NB, D, H, L, send_layers, synthetic, wait_event
 
 from engine.cluster import messages as m
 from engine.cluster.worker.roles import DecodeRole, PrefillRole
@@ -271,53 +271,6 @@ def test_decode_side_saves_the_blocks_it_generates_to_its_own_pool():
 
 
 # -- the receiver alone, with synthetic layers ---------------------------------------------------
-
-L, NB, BS, H, D = 3, 8, 4, 2, 4
-
-
-def synthetic(transport):
-    kv = torch.zeros(L, 2, NB, BS, H, D)
-    arena = StagingArena(1 << 20, shared=transport == "shm")
-    return kv, arena, KVReceiver(kv, BS, arena)
-
-
-def send_layers(rx, arena, t, layers, order_seed, inline, tamper=None, rid="r"):
-    """Layers as (layer, start, end) with data = a known function of position."""
-    ctx = zmq.Context.instance()
-    push = ctx.socket(zmq.PUSH)
-    push.connect(rx.address)
-    T = t.layout.num_tokens
-    full = torch.arange((L + 1) * 2 * (T + 2) * H * D, dtype=torch.float32)
-    full = full.view(L + 1, 2, T + 2, H, D)
-    items = list(layers)
-    random.Random(order_seed).shuffle(items)
-    for layer, a, b in items:
-        data = full[layer, :, a:b].contiguous()
-        raw = data.numpy().view("u1").reshape(-1)
-        if not inline and layer < L and b <= T:  # a bad descriptor alone for the rest
-            for kv in (0, 1):
-                off, n = t.layout.run(layer, kv, a, b)
-                arena.buf[t.offset + off : t.offset + off + n] = torch.from_numpy(
-                    raw[kv * n : (kv + 1) * n].copy()
-                )
-        crc = checksum(raw)
-        if tamper == (layer, a):
-            raw = raw.copy()
-            raw[0] ^= 1
-            if not inline:
-                arena.buf[t.offset + t.layout.run(layer, 0, a, b)[0]] ^= 1
-        half = raw.nbytes // 2
-        frames = (raw[:half].tobytes(), raw[half:].tobytes()) if inline else ()
-        msg = m.KVLayer(rid, layer, a, b, crc, inline, frames=frames)
-        push.send_multipart(m.encode(msg))
-    push.send_multipart(m.encode(m.KVDone(rid, T, L, 0, [{"index": 0, "token": 1}])))
-    push.close(linger=5000)
-    return full
-
-
-def wait_event(rx):
-    return rx.events.get(timeout=10)
-
 
 CHUNKS = [(layer, a, b) for layer in range(L) for a, b in ((0, 5), (5, 9), (9, 10))]
 

@@ -1,0 +1,121 @@
+"""A decode worker's receiver taking one request's KV from every stage of a prefill group: each
+stage sends its own layers and a KVDone for them, the last stage's carries the first tokens, in
+any order; every layer of every chunk arrives exactly once, and any other ending fails the
+transfer with a reason that names it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from synthetic_kv import L, send_layers, synthetic, wait_event
+
+from engine.cluster import messages as m
+
+SPANS = ((0, 5), (5, 9), (9, 10))  # three chunks of a 10-token prompt
+FIRST = [{"index": 0, "token": 1}]
+
+
+def pieces(layers) -> list[tuple[int, int, int]]:
+    return [(layer, a, b) for layer in layers for a, b in SPANS]
+
+
+def reported(t, n: int) -> None:
+    """Wait until n senders' KVDone (or KVAbort) came."""
+    deadline = time.monotonic() + 10
+    while t.reported < n:
+        assert time.monotonic() < deadline, t
+        time.sleep(0.01)
+
+
+def done(a: int, b: int, firsts=()) -> m.KVDone:
+    return m.KVDone("r", 10, L, 0, list(firsts), layer_start=a, layer_end=b)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("last_first", [True, False])
+def test_every_stage_sends_its_layers_once_in_any_order(transport, last_first):
+    kv, arena, rx = synthetic(transport)
+    inline = transport == "tcp"
+    try:
+        t = rx.expect("r", 10, 30.0, senders=2)
+        stages = [(pieces([0, 1]), done(0, 2)), (pieces([2]), done(2, 3, FIRST))]
+        if last_first:  # the last stage's layers and KVDone may come first
+            stages.reverse()
+        full = send_layers(rx, arena, t, stages[0][0], 1, inline, done=stages[0][1])
+        reported(t, 1)
+        assert t.done_ranges == [(stages[0][1].layer_start, stages[0][1].layer_end)]
+        assert rx.events.empty() and not t.finished  # one stage is not the transfer
+        send_layers(rx, arena, t, stages[1][0], 2, inline, done=stages[1][1])
+        assert wait_event(rx) == "r" and t.ok, t.error
+        assert t.done.firsts == FIRST
+        staged = arena.view(t.offset, t.layout.nbytes).view(torch.float32)
+        assert torch.equal(staged.view(L, 2, 10, *kv.shape[4:]), full[:L, :, :10])
+    finally:
+        rx.close()
+        arena.close()
+
+
+@pytest.mark.parametrize(
+    "first, second, words",
+    [
+        # layers 0-1 by one stage, 1-2 by the other
+        ((pieces([0, 1]), done(0, 2)), (pieces([2]), done(1, 3, FIRST)), "layers [1, 2) declared"),
+        ((pieces([0, 1]), done(0, 2, FIRST)), (pieces([2]), done(2, 3, FIRST)), "from two senders"),
+        ((pieces([0, 1]), done(0, 2)), (pieces([2]), done(2, 3)), "no sender sent the first"),
+        ((pieces([0]), done(0, 1)), (pieces([2]), done(2, 3, FIRST)), "declared 2 of 3 layers"),
+        ((pieces([0]), done(0, 2)), (pieces([2]), done(2, 3, FIRST)), "layer 1 is missing"),
+        ((pieces([0, 1, 2]), done(0, 2)), (pieces([2]), done(2, 3, FIRST)), "delivered twice"),
+        ((pieces([0, 1]), done(0, 4)), (pieces([2]), done(2, 3, FIRST)), "out of range [0, 3)"),
+    ],
+)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_bad_group_transfers_fail(transport, first, second, words):
+    kv, arena, rx = synthetic(transport)
+    try:
+        t = rx.expect("r", 10, 30.0, senders=2)
+        send_layers(rx, arena, t, first[0], 0, transport == "tcp", done=first[1])
+        reported(t, 1)  # (two sockets: the second's KVDone could overtake the first's layers)
+        send_layers(rx, arena, t, second[0], 0, transport == "tcp", done=second[1])
+        assert wait_event(rx) == "r"
+        assert not t.ok and words in t.error, t.error
+        rx.release("r")
+        deadline = time.monotonic() + 10  # both stages said KVDone: the area is free
+        while arena.used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert arena.used == 0
+    finally:
+        rx.close()
+        arena.close()
+
+
+def test_one_stage_aborting_fails_the_transfer_and_the_area_waits_for_the_other():
+    kv, arena, rx = synthetic("shm")
+    try:
+        t = rx.expect("r", 10, 30.0, senders=2)
+        send_layers(rx, arena, t, [], 0, False, done=m.KVAbort("r", "stage 1 lost its peer"))
+        assert wait_event(rx) == "r"
+        assert not t.ok and "stage 1 lost its peer" in t.error
+        rx.release("r")
+        time.sleep(0.2)
+        assert arena.used > 0  # the other stage may still be writing into the area
+        send_layers(rx, arena, t, [], 0, False, done=done(0, 2))
+        deadline = time.monotonic() + 10
+        while arena.used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert arena.used == 0
+    finally:
+        rx.close()
+        arena.close()
+
+
+def test_senders_beyond_the_layers_are_refused():
+    kv, arena, rx = synthetic("tcp")
+    try:
+        with pytest.raises(ValueError, match=r"senders must be in \[1, 3\], got 4"):
+            rx.expect("r", 10, 30.0, senders=4)
+        assert arena.used == 0
+    finally:
+        rx.close()
+        arena.close()
