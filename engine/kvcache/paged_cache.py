@@ -26,10 +26,14 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_layers: int | None = None,
     ) -> None:
+        """``num_layers``: the layers the cache serves, by default the model's (a pipeline
+        stage's cache has its own layers': len(stage_model.layers))."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        layers = model.num_layers if num_layers is None else num_layers
+        shape = (layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv = lazy_zeros(shape, dtype, device)
 
 

@@ -20,6 +20,7 @@ from engine.config import ModelConfig
 from engine.model import weight_cache
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import open_checkpoint, read_weights
+from engine.model.stages import WHOLE_MODEL, PipelineStage
 from engine.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -40,24 +41,28 @@ def build_model(
     device: torch.device,
     show_progress: bool = False,
     use_cache: bool = True,
+    stage: PipelineStage = WHOLE_MODEL,
 ) -> BuiltModel:
     """``model``: "default", a GGUF file or a model directory (see model_loader.load_model).
-    ``use_cache=False`` or ENGINE_WEIGHT_CACHE=0 reads the checkpoint every time."""
+    ``use_cache=False`` or ENGINE_WEIGHT_CACHE=0 reads the checkpoint every time.
+
+    ``stage``: one stage of a chunked pipeline (model/stages.py): only its weights are read
+    from the checkpoint, and it has a weight cache file of its own (holding only them)."""
     t0 = time.perf_counter()
     path, checkpoint = open_checkpoint(model)
-    net = LlamaForCausalLM(checkpoint.config, dtype, device)
+    net = LlamaForCausalLM(checkpoint.config, dtype, device, stage)
     directory = envs.weight_cache_dir() if use_cache and os.path.isfile(path) else None
     file = key = None
     if directory is not None:
-        key = weight_cache.cache_key(path, dtype)
-        file = weight_cache.cache_file(directory, path, dtype, key)
+        key = weight_cache.cache_key(path, dtype, stage)
+        file = weight_cache.cache_file(directory, path, dtype, key, stage)
         cached = weight_cache.load(file, key, net.runtime_weights())
         if cached:
             net.adopt_weights(cached)
             net.eval()
             logger.info("weights mapped from %s in %.2f s", file, time.perf_counter() - t0)
             return BuiltModel(checkpoint.config, checkpoint.tokenizer, path, net, file, True)
-    weights = read_weights(checkpoint, path, dtype, device, show_progress)
+    weights = read_weights(checkpoint, path, dtype, device, show_progress, stage)
     net.load_weights(weights, source=path)
     del weights
     net.eval()

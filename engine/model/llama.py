@@ -21,6 +21,7 @@ from engine.layers.native_decode import NativeDecoder
 from engine.layers.quant import int8_linear, quantize_int8
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.model.stages import WHOLE_MODEL, PipelineStage
 
 LayerHook = Callable[[int], None]
 
@@ -82,12 +83,31 @@ class DecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """The whole model, or one stage of a chunked pipeline (``stage``, see model/stages.py): the
+    layers of ``stage.layer_range(cfg.num_layers)`` (``self.layers[i]`` is global layer
+    ``self.layer_range[i]``), the embedding on the first stage (and on the last when the LM head
+    is tied to it), the final norm and the LM head on the last. What a stage lacks is None.
+    ``cfg`` stays the whole model's config."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        stage: PipelineStage = WHOLE_MODEL,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = torch.nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), False
-        )
+        self.stage = stage
+        self.layer_range = stage.layer_range(cfg.num_layers)
+
+        def matrix() -> torch.nn.Parameter:
+            return torch.nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), False
+            )
+
+        has_embedding = stage.is_first or (stage.is_last and cfg.tie_word_embeddings)
+        self.embed_tokens: torch.nn.Parameter | None = matrix() if has_embedding else None
         rotary = RotaryEmbedding(
             cfg.head_dim,
             cfg.max_position_embeddings,
@@ -97,22 +117,23 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         self.rotary = rotary
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, rotary, dtype, device) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, rotary, dtype, device) for _ in self.layer_range
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = (
-            self.embed_tokens
-            if cfg.tie_word_embeddings
-            else torch.nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), False
-            )
-        )
+        self.norm: RMSNorm | None = None
+        self.lm_head: torch.nn.Parameter | None = None
+        if stage.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else matrix()
         self.dtype = dtype
         self.lm_qweight: torch.Tensor | None = None  # int8 LM head (quantize_int8_)
         self.lm_scales: torch.Tensor | None = None
         self.lm_packed: torch.Tensor | None = None  # oneDNN-packed bf16 LM head (pack_weights_)
         self.native_decode = False  # small decode steps by the C layers (enable_native_decode)
         self._native: NativeDecoder | None = None  # bound to the weights and cache as they are
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].input_layernorm.weight.device
 
     def enable_native_decode(self) -> bool:
         """Run decode-only steps of up to NATIVE_DECODE_MAX_ROWS sequences through the C decoder
@@ -121,16 +142,18 @@ class LlamaForCausalLM(torch.nn.Module):
         bf16 or fp16 weights where the C row dots have their AVX-512 or AVX2 paths (cpu_isa:
         without them the row dots are plain loops, and a bf16 decode step took 64 ms against the
         torch layers' 24 ms; float32 at 1 x 512 under ENGINE_CPU_ISA=avx2 took 50 against 116 ms
-        with them, see docs/cpu.md). ENGINE_KERNELS=torch turns them off at any time.
+        with them, see docs/cpu.md). ENGINE_KERNELS=torch turns them off at any time. Never for
+        a pipeline stage short of the whole model: stages only prefill.
         Returns whether they are on."""
         from engine import cpu_isa
 
         int8 = self.lm_qweight is not None
         self.native_decode = (
-            self.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and self.embed_tokens.device.type == "cpu"
+            self.stage.is_whole
+            and self.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and self.device.type == "cpu"
             and (int8 or cpu_isa.this_cpu().c_float_row_dots)
-            and kernels.use_native(self.embed_tokens.device)
+            and kernels.use_native(self.device)
         )
         self._native = None
         return self.native_decode
@@ -142,7 +165,7 @@ class LlamaForCausalLM(torch.nn.Module):
             or meta.has_prefill
             or meta.num_decode_tokens != rows
             or rows == 0
-            or not kernels.use_native(self.embed_tokens.device)
+            or not kernels.use_native(self.device)
         ):
             return None
         if self._native is None:
@@ -161,7 +184,8 @@ class LlamaForCausalLM(torch.nn.Module):
         for layer in self.layers:
             for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 packed |= lin.pack_()
-        self.lm_packed = pack_bf16(self.lm_head)
+        if self.lm_head is not None:
+            self.lm_packed = pack_bf16(self.lm_head)
         return packed or self.lm_packed is not None
 
     @torch.no_grad()
@@ -174,38 +198,66 @@ class LlamaForCausalLM(torch.nn.Module):
         for layer in self.layers:
             for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 lin.quantize_int8_()
-        self.lm_qweight, self.lm_scales = quantize_int8(self.lm_head, self.dtype)
+        if self.lm_head is not None:
+            self.lm_qweight, self.lm_scales = quantize_int8(self.lm_head, self.dtype)
         self._native = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D]; each layer gets its views."""
+        """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D], num_layers the layers this
+        module holds (a stage's own: its kv_cache[i] is global layer layer_range[i]); each layer
+        gets its views."""
+        if kv_cache.shape[0] != len(self.layers):
+            raise ValueError(
+                f"bind_kv_cache: the cache has {kv_cache.shape[0]} layers, this "
+                f"{'model' if self.stage.is_whole else f'stage ({self.stage})'} holds "
+                f"{len(self.layers)}"
+            )
         for i, layer in enumerate(self.layers):
             layer.attn.bind_cache(kv_cache[i, 0], kv_cache[i, 1])
         self._native = None
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         meta: AttentionMetadata,
         layer_hook: LayerHook | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Returns final hidden states [T, hidden]. ``layer_hook(i)`` runs after layer i wrote its
-        KV (the cluster streams that layer's KV from there)."""
-        hidden = self.embed_tokens[input_ids]
+        """Returns final hidden states [T, hidden] (normed). ``layer_hook(i)`` runs after global
+        layer i wrote its KV (the cluster streams that layer's KV from there).
+
+        A pipeline stage: the first takes ``input_ids``, every other one ``hidden`` (the stage
+        before's output for the same tokens, [T, hidden]) and ``input_ids=None``; a stage short of
+        the last returns its last layer's output un-normed, for the next stage."""
+        if self.stage.is_first:
+            if input_ids is None or hidden is not None:
+                raise ValueError(
+                    f"stage {self.stage} embeds the tokens: pass input_ids, not hidden states"
+                )
+            assert self.embed_tokens is not None
+            hidden = self.embed_tokens[input_ids]
+        elif input_ids is not None or hidden is None:
+            raise ValueError(
+                f"stage {self.stage} starts at layer {self.layer_range.start}: pass the hidden "
+                "states of the stage before (hidden=...), not input_ids"
+            )
         native = self._native_decoder(meta, hidden.shape[0])
         if native is not None:
+            assert self.norm is not None  # the whole model
             return self.norm(native.run(hidden, positions, meta, layer_hook))
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layer_range, self.layers, strict=True):
             hidden = layer(positions, hidden, meta)
             if layer_hook is not None:
                 layer_hook(i)
-        return self.norm(hidden)
+        return hidden if self.norm is None else self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, V]. For 16-bit models and int8 LM heads (float32 models too) the
         GEMM runs at lower precision and the top LOGIT_REFINE_TOPK logits of each row are
-        recomputed in float32 from the kept float LM head."""
+        recomputed in float32 from the kept float LM head. Only the last pipeline stage has it."""
+        if self.lm_head is None:
+            raise ValueError(f"stage {self.stage} has no LM head: the last stage computes logits")
         if self.lm_qweight is not None:
             logits = int8_linear(hidden, self.lm_qweight, self.lm_scales, None).float()
         elif self.lm_packed is not None and hidden.dtype == torch.bfloat16:
@@ -221,16 +273,24 @@ class LlamaForCausalLM(torch.nn.Module):
         return logits.scatter_(1, idx, exact)
 
     def runtime_weights(self) -> dict[str, torch.Tensor]:
-        """The weights as this module holds them (fused, in its dtype), by parameter name; a tied
-        LM head appears once, as embed_tokens. What the weight cache stores."""
-        return {name: p.data for name, p in self.named_parameters()}
+        """The weights as this module holds them (fused, in its dtype), by parameter name with
+        global layer numbers (a stage's ``layers.0`` is ``layers.{layer_range.start}``, so a
+        stage's weights are the whole model's under the same names); a tied LM head appears
+        once, as embed_tokens. What the weight cache stores."""
+        return {self._global_name(name): p.data for name, p in self.named_parameters()}
+
+    def _global_name(self, name: str) -> str:
+        if not name.startswith("layers.") or self.layer_range.start == 0:
+            return name
+        _, local, rest = name.split(".", 2)
+        return f"layers.{self.layer_range[int(local)]}.{rest}"
 
     @torch.no_grad()
     def adopt_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take ``runtime_weights()``-shaped tensors as this module's own, without copying on
         the same device (memory-mapped ones stay mapped). A tied LM head follows the embedding:
         it is the same Parameter."""
-        params = dict(self.named_parameters())
+        params = {self._global_name(name): p for name, p in self.named_parameters()}
         if set(weights) != set(params):
             odd = sorted(set(weights) ^ set(params))
             raise ValueError(f"adopt_weights: names differ from the model's, e.g. {odd[0]!r}")
@@ -246,7 +306,8 @@ class LlamaForCausalLM(torch.nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "") -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. Missing or misshapen
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up: those this module holds
+        (a stage's: see loader.stage_weight_names); others are ignored. Missing or misshapen
         tensors raise ValueError naming the tensor and the file."""
         cfg = self.cfg
 
@@ -263,11 +324,13 @@ class LlamaForCausalLM(torch.nn.Module):
                 )
             dst.copy_(src)
 
-        put(self.embed_tokens, get("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        if not cfg.tie_word_embeddings:
+        if self.embed_tokens is not None:
+            put(self.embed_tokens, get("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        if self.lm_head is not None and not cfg.tie_word_embeddings:
             put(self.lm_head, get("lm_head.weight"), "lm_head.weight")
-        put(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
-        for i, layer in enumerate(self.layers):
+        if self.norm is not None:
+            put(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
+        for i, layer in zip(self.layer_range, self.layers, strict=True):
             p = f"model.layers.{i}."
             for name, dst in (
                 ("input_layernorm.weight", layer.input_layernorm.weight),

@@ -22,6 +22,7 @@ from engine.config import ModelConfig
 from engine.model.checkpoint import Checkpoint
 from engine.model.gguf_loader import load_gguf_checkpoint
 from engine.model.hf_loader import load_hf_checkpoint
+from engine.model.stages import WHOLE_MODEL, PipelineStage
 from engine.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -128,15 +129,36 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def stage_weight_names(config: ModelConfig, stage: PipelineStage) -> list[str]:
+    """The HF names of the weights pipeline stage ``stage`` holds, in expected_weight_shapes'
+    order: its layers', the embedding on the first stage (and the last when tied), the final
+    norm and LM head on the last."""
+    layers = stage.layer_range(config.num_layers)
+    embedding = stage.is_first or (stage.is_last and config.tie_word_embeddings)
+
+    def needed(name: str) -> bool:
+        if name.startswith("model.layers."):
+            return int(name.split(".", 3)[2]) in layers
+        if name == "model.embed_tokens.weight":
+            return embedding
+        return stage.is_last  # model.norm.weight, lm_head.weight
+
+    return [name for name in expected_weight_shapes(config) if needed(name)]
+
+
 def read_weights(
     checkpoint: Checkpoint,
     path: str,
     dtype: torch.dtype,
     device: torch.device,
     show_progress: bool,
+    stage: PipelineStage = WHOLE_MODEL,
 ) -> dict[str, torch.Tensor]:
+    """Every weight the model needs, checked (present, the config's shape, nothing left over),
+    then read; a pipeline stage's only (the checks still cover the whole checkpoint, whose
+    tensor table costs nothing to read, but no other stage's tensor is read)."""
     with damaged_file_errors(path):
-        return _read_weights(checkpoint, path, dtype, device, show_progress)
+        return _read_weights(checkpoint, path, dtype, device, show_progress, stage)
 
 
 def _read_weights(
@@ -145,6 +167,7 @@ def _read_weights(
     dtype: torch.dtype,
     device: torch.device,
     show_progress: bool,
+    stage: PipelineStage = WHOLE_MODEL,
 ) -> dict[str, torch.Tensor]:
     expected = expected_weight_shapes(checkpoint.config)
     missing = [name for name in expected if name not in checkpoint.tensors]
@@ -179,7 +202,10 @@ def _read_weights(
         )
     weights = {}
     desc = f"Loading {os.path.basename(path)}"
-    for name in tqdm(expected, desc=desc, unit="tensor", disable=not show_progress):
+    names = list(expected) if stage.is_whole else stage_weight_names(checkpoint.config, stage)
+    if not stage.is_whole:
+        desc += f" (stage {stage})"
+    for name in tqdm(names, desc=desc, unit="tensor", disable=not show_progress):
         tensor = checkpoint.tensors[name].load()
         weights[name] = tensor.to(device=device, dtype=dtype).contiguous()
     return weights

@@ -35,6 +35,8 @@ from collections.abc import Mapping
 import torch
 import xxhash
 
+from engine.model.stages import WHOLE_MODEL, PipelineStage
+
 logger = logging.getLogger(__name__)
 
 LOADER_VERSION = 2  # 2: tensors aligned to ALIGN bytes in the file
@@ -56,25 +58,37 @@ _ST_DTYPES = {
 }
 
 
-def cache_key(model_path: str, dtype: torch.dtype) -> str:
+def cache_key(model_path: str, dtype: torch.dtype, stage: PipelineStage = WHOLE_MODEL) -> str:
     """What the cached contents depend on, hashed (hex)."""
     st = os.stat(model_path)
     h = hashlib.sha256()
     h.update(f"{_FORMAT}:{LOADER_VERSION}:{dtype}:{st.st_size}:{st.st_mtime_ns}:".encode())
+    if not stage.is_whole:  # the whole model's key stays what it was
+        h.update(f"stage {stage}:".encode())
     with open(model_path, "rb") as f:
         h.update(f.read(_HEADER_BYTES))
     return h.hexdigest()
 
 
-def cache_file(directory: str, model_path: str, dtype: torch.dtype, key: str) -> str:
+def cache_file(
+    directory: str,
+    model_path: str,
+    dtype: torch.dtype,
+    key: str,
+    stage: PipelineStage = WHOLE_MODEL,
+) -> str:
     """``<stem>.<dtype>.<hash of the model's path>.<key>.st``: a file's name says which model
-    it serves, and ``save`` prunes the files of older versions of the same model file."""
-    return os.path.join(directory, f"{_family(model_path, dtype)}{key[:20]}.st")
+    it serves, and ``save`` prunes the files of older versions of the same model file. A
+    pipeline stage's file holds only its weights and is named ``...<hash>-stage<I>of<N>.<key>.st``:
+    a family of its own, which neither prunes the whole model's nor another stage's files."""
+    return os.path.join(directory, f"{_family(model_path, dtype, stage)}{key[:20]}.st")
 
 
-def _family(model_path: str, dtype: torch.dtype) -> str:
+def _family(model_path: str, dtype: torch.dtype, stage: PipelineStage = WHOLE_MODEL) -> str:
     stem = os.path.splitext(os.path.basename(model_path))[0]
     where = hashlib.sha256(os.path.abspath(model_path).encode()).hexdigest()[:8]
+    if not stage.is_whole:
+        where += f"-stage{stage.index}of{stage.count}"
     return f"{stem}.{str(dtype).removeprefix('torch.')}.{where}."
 
 
