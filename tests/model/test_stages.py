@@ -271,9 +271,21 @@ def test_chained_stages_equal_the_whole_model(dtype, n, chunks, shape):
     stage's own cache), then two decode steps: every step's hidden states and logits equal the
     whole model's bit for bit, and each stage's cache holds the whole model's KV of its layers."""
     whole = random_model(random_config(**shape), dtype)
-    parts = stage_models(whole, n)
+    chain_equals_whole(whole, stage_models(whole, n), chunks)
+
+
+def test_the_default_models_stages_chained_equal_it():
+    whole = build_model("default", torch.float32, CPU, use_cache=False).model
+    chain_equals_whole(whole, stage_models(whole, 2), [24, 16])
+
+
+def chain_equals_whole(
+    whole: LlamaForCausalLM, parts: list[LlamaForCausalLM], chunks: list[int], decodes: int = 2
+) -> None:
+    dtype = whole.dtype
     num_blocks = 7
-    table = {"r": [5, 0, 3, 6]}  # 64 slots for 39 tokens, out of order
+    table = {"r": [5, 0, 3, 6]}  # 64 slots, out of order
+    assert sum(chunks) + decodes <= 64
     cache = PagedKVCache(whole.cfg, num_blocks, BLOCK, dtype, CPU)
     whole.bind_kv_cache(cache.kv)
     caches = []
@@ -284,20 +296,20 @@ def test_chained_stages_equal_the_whole_model(dtype, n, chunks, shape):
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, whole.cfg.vocab_size, (sum(chunks),), generator=g).tolist()
     req = Request("r", prompt, SamplingParams(), None)
-    steps = list(chunks) + [1, 1]
     with torch.inference_mode():
-        for step, size in enumerate(steps):
+        for step, size in enumerate(list(chunks) + [1] * decodes):
             inputs = runner().prepare([ScheduledRequest(req, size)], table)
             assert inputs.meta.has_prefill == (size > 1)
             want_hooks: list[int] = []
             want = whole(inputs.input_ids, inputs.positions, inputs.meta, want_hooks.append)
-            hooks: list[int] = []
             hidden = None
             for part in parts:
+                hooks: list[int] = []
                 ids = inputs.input_ids if part.stage.is_first else None
                 hidden = part(ids, inputs.positions, inputs.meta, hooks.append, hidden=hidden)
                 assert hidden.shape == want.shape and hidden.dtype == dtype
-            assert hooks == want_hooks == list(range(whole.cfg.num_layers))
+                assert hooks == list(part.layer_range)  # global layer indices
+            assert want_hooks == list(range(whole.cfg.num_layers))
             assert torch.equal(hidden, want), f"step {step}"
             rows = inputs.sample_indices
             logits = parts[-1].compute_logits(hidden[rows])
