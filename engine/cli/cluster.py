@@ -100,6 +100,13 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--rpc-address", default=None, help="also serve the ZeroMQ RPC API here")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument(
+        "--transfer-deadline",
+        type=float,
+        default=120.0,
+        help="seconds a decode worker waits for a request's KV, then applies "
+        "--kv-load-failure (recompute or fail)",
+    )
     p.add_argument("--no-layer-streaming", action="store_true", help="send KV after prefill")
     add_tool_call_parser(p)
     _placement_args(p)
@@ -162,6 +169,7 @@ def _router_config(args: argparse.Namespace, address: str):
         address=address,
         model=args.model,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        transfer_deadline_s=args.transfer_deadline,
         stream_layers=not args.no_layer_streaming,
         **pending,
         **placement_config(args),

@@ -18,6 +18,7 @@ from engine.cli.cluster import (
     worker_argv,
 )
 from engine.cli.engine_options import add_engine_options, engine_config_from_args
+from engine.cluster.router.config import RouterConfig
 
 BASE = ["cluster", "--prefill", "1", "--decode", "1"]
 # Option values that must be well-formed (the rest are derived from the option's type).
@@ -112,6 +113,16 @@ def test_max_pending_reaches_the_router(command):
     assert default.max_pending == 4096
     with pytest.raises(ValueError, match="--max-pending must be >= 1"):
         _router_config(parser().parse_args([*words, "--max-pending", "0"]), "tcp://127.0.0.1:0")
+
+
+@pytest.mark.parametrize("command", ["cluster", "router"])
+def test_transfer_deadline_reaches_the_router(command):
+    """``--transfer-deadline`` sets how long decode workers wait for KV (default: the config's)."""
+    words = BASE if command == "cluster" else ["router"]
+    args = parser().parse_args([*words, "--transfer-deadline", "7.5"])
+    assert _router_config(args, "tcp://127.0.0.1:0").transfer_deadline_s == 7.5
+    default = _router_config(parser().parse_args(words), "tcp://127.0.0.1:0")
+    assert default.transfer_deadline_s == RouterConfig().transfer_deadline_s
 
 
 def test_each_engine_flag_default_is_its_config_fields_default():
