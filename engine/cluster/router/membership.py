@@ -61,6 +61,10 @@ class Worker:
     hb: m.Heartbeat | None = None
     last_heartbeat: float = 0.0  # when its last heartbeat (not any message) arrived
     heartbeat_gap_max: float = 0.0  # the longest time between two of its heartbeats
+    # The attempts (wire ids) the router gave up on when it declared this worker dead: a
+    # process cut off by a partition still holds them (staging, blocks, sends) until its own
+    # deadlines; when the same process registers again, the router aborts each.
+    abandoned: list[str] = field(default_factory=list)
 
     @property
     def live(self) -> bool:
@@ -94,6 +98,9 @@ class Membership:
             return None
         if old is not None and old.live and old.pid != msg.pid:
             self.gone(old, "dead")  # restarted before its silence was noticed
+        # The same process back after it was declared dead (a partition): what it still holds of
+        # the attempts given up then is aborted (the router's on_message sends the Aborts).
+        abandoned = old.abandoned if old is not None and old.pid == msg.pid else []
         self.workers[msg.worker_id] = Worker(
             msg.worker_id,
             msg.role,
@@ -111,6 +118,7 @@ class Membership:
             shm_digest=msg.shm_digest,
             pid_ns=msg.pid_ns,
             last_seen=now,
+            abandoned=abandoned,
         )
         self.blocks.remove_holder(msg.worker_id)  # a fresh instance holds nothing yet
         self.blocks.add_holder(msg.worker_id)

@@ -29,6 +29,7 @@ from engine.ipc.wire import params_to_wire
 log = logging.getLogger(__name__)
 
 Send = Callable[[Worker, m.Message], bool]  # False: the worker could not be reached
+MAX_ABANDONED = 100_000  # attempts remembered per dead worker, to abort should it come back
 
 
 class Phases:
@@ -139,6 +140,8 @@ class Phases:
         for req in list(self.requests.values()):
             if w.worker_id not in (req.prefill, req.decode):
                 continue
+            if len(w.abandoned) < MAX_ABANDONED:  # aborted there should it come back
+                w.abandoned.append(req.wire_id)
             if w.worker_id == req.prefill and req.phase == "decode":
                 req.prefill = ""  # its part is done; the decode worker carries on
                 d = self.members.reachable(req.decode)

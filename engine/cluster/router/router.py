@@ -260,6 +260,9 @@ class Router:
         if isinstance(msg, m.Register):
             new = self._members.register(identity, msg, now)
             if new is not None:
+                for wire_id in new.abandoned:  # back from a partition: drop what was given up
+                    self._io.send(new, m.Abort(wire_id))
+                new.abandoned.clear()
                 for prefill, probe in shm_pairs.probes(new, self._members.workers.values()):
                     self._io.send(prefill, probe)
         elif isinstance(msg, m.Heartbeat):

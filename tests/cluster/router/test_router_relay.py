@@ -1,8 +1,8 @@
 """What the router tells a decode worker for the case that its KV never all arrives: the first
 tokens it relayed to the client (FirstTokens), and, when the prefill worker dies after them,
 that the KV's source is gone (SourceGone), so a transfer across hosts fails at once instead of
-waiting out its deadline. Scripted workers: real ZeroMQ sockets driven from this thread, on
-two "hosts"; no model runs."""
+waiting out its deadline; and what a worker declared dead still holds, once it is back.
+Scripted workers: real ZeroMQ sockets driven from this thread, on two "hosts"; no model runs."""
 
 from __future__ import annotations
 
@@ -20,13 +20,17 @@ from engine.sampling_params import SamplingParams
 
 class Scripted:
     def __init__(self, router: Router, wid: str, role: str) -> None:
-        self.wid = wid
+        self.wid, self.role = wid, role
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(router.address)
-        self.send(m.Register(wid, role, os.getpid(), "default", 1024, "", "", "tcp", f"h-{wid}"))
+        self.register()
         self.alive = True
         self.inbox: list[m.Message] = []
+
+    def register(self, pid: int | None = None) -> None:
+        pid = os.getpid() if pid is None else pid
+        self.send(m.Register(self.wid, self.role, pid, "default", 1024, "", "", "tcp", "h"))
 
     def send(self, msg: m.Message) -> None:
         self.sock.send_multipart(m.encode(msg))
@@ -89,6 +93,58 @@ def test_decode_worker_gets_the_first_tokens_and_hears_of_the_prefill_workers_de
         d.send(m.Outputs(req.request_id, "d0", [rest]))
         pump_until([p, d], lambda: outputs and outputs[-1].finished, "the end of the request")
         assert outputs[-1].outputs[0].token_ids == [42, 7, 8, 9]
+    finally:
+        thread.join(10)
+        router.close()
+        for w in (p, d):
+            w.sock.close(linger=0)
+
+
+def test_a_worker_back_from_a_partition_is_told_to_drop_what_was_given_up():
+    """A decode worker silent past the heartbeat timeout (cut off, alive) is declared dead and
+    its request fails; when the same process registers again (its link came back) the router
+    aborts that attempt there, so its staging area and blocks come back at once instead of at
+    its transfer deadline (120 s by default). A restarted process (another pid) holds nothing:
+    it gets no Abort."""
+    router = Router(RouterConfig(heartbeat_timeout_s=1.0))
+    p, d = Scripted(router, "p0", "prefill"), Scripted(router, "d0", "decode")
+    errors: list = []
+
+    def client():
+        async def run():
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            try:
+                async for _ in router.generate([11, 12, 13, 14], params, request_id="r"):
+                    pass
+            except Exception as exc:
+                errors.append(exc)
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=client, daemon=True)
+    try:
+        pump_until([p, d], lambda: len(router.workers) == 2, "registration")
+        thread.start()
+        req = pump_until([p, d], lambda: d.first(m.DecodeRequest), "the DecodeRequest")
+        d.alive = False  # partitioned: no heartbeat reaches the router
+        pump_until([p], lambda: router.workers["d0"].state == "dead", "d0 declared dead")
+        pump_until([p], lambda: errors, "the request's error")
+        assert "died" in str(errors[0]) or "no live" in str(errors[0]), errors
+        assert not d.first(m.Abort)
+        d.alive = True
+        d.register()  # the link is back: the worker's periodic registration arrives
+        abort = pump_until([p, d], lambda: d.first(m.Abort), "the Abort of the abandoned attempt")
+        assert abort.request_id == req.request_id
+        assert router.workers["d0"].state == "up" and router.workers["d0"].abandoned == []
+        d.alive = False  # once more, but a restarted process comes back: nothing to abort
+        pump_until([p], lambda: router.workers["d0"].state == "dead", "d0 dead again")
+        d.inbox.clear()
+        d.alive = True
+        d.register(pid=os.getpid() + 1)
+        pump_until([p, d], lambda: router.workers["d0"].pid == os.getpid() + 1, "the new pid")
+        time.sleep(0.3)
+        d.pump()
+        assert not d.first(m.Abort)
     finally:
         thread.join(10)
         router.close()
