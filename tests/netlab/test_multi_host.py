@@ -25,7 +25,6 @@ root) and, for mooncake, where the package is missing."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -35,15 +34,12 @@ from pathlib import Path
 
 import pytest
 from doc_hosts import REPO, HostCommand, doc_blocks, substitute, without_option
+from lab_cluster import WORKER_EXTRA, assert_equal, env, tail, tails
 
 from engine.netlab import NetLab, unavailable
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))
 
-WORKER_EXTRA = [
-    *("--model", "default", "--dtype", "float32", "--max-model-len", "512"),
-    *("--kv-cache-memory-gb", "0.25", "--kv-staging-mb", "64", "--threads", "1"),
-]
 POOL_SIZES = {"4GiB": "64MiB"}
 START_S = 300.0  # three processes load the model side by side on two busy cores
 REQUEST_S = 300.0
@@ -107,7 +103,7 @@ def colocated():
 def keys(tmp_path):
     path = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "engine", "keys", "generate", str(path)], check=True,
-                   env=_env(), capture_output=True, timeout=60)  # fmt: skip
+                   env=env(), capture_output=True, timeout=60)  # fmt: skip
     return path
 
 
@@ -125,13 +121,6 @@ def test_three_hosts_mooncake(tmp_path, keys, colocated):
     health = run_cluster(tmp_path, keys, colocated, mooncake=True)
     prefill = next(w for w in health["workers"].values() if w["role"] == "prefill")
     assert prefill["kv_transports"] == {"mooncake": 2}, prefill
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("ENGINE_CURVE_KEYS", None)  # the documented --curve-keys only
-    return env
 
 
 def documented(mooncake: bool) -> list[HostCommand]:
@@ -165,7 +154,7 @@ def run_cluster(tmp_path: Path, keys: Path, colocated: list[dict], mooncake: boo
                     argv += WORKER_EXTRA
                 log = tmp_path / f"{cmd.program}.log"
                 with open(log, "wb") as f:
-                    proc = lab.popen(hosts[cmd.host], argv, cwd=REPO, env=_env(), stdout=f,
+                    proc = lab.popen(hosts[cmd.host], argv, cwd=REPO, env=env(), stdout=f,
                                      stderr=subprocess.STDOUT)  # fmt: skip
                 procs.append((cmd.program, proc, log))
                 if cmd.program == "pool":
@@ -177,15 +166,15 @@ def run_cluster(tmp_path: Path, keys: Path, colocated: list[dict], mooncake: boo
             url = f"http://{mapping['10.0.0.1']}:8000"
             client = [sys.executable, "-c", CLIENT, url, str(START_S), json.dumps(bodies),
                       str(REQUEST_S)]  # fmt: skip
-            done = lab.run("a", client, timeout=START_S + 2 * REQUEST_S + 30, env=_env())
-            assert done.returncode == 0, f"{done.stderr[-3000:]}\n{_tails(procs)}"
+            done = lab.run("a", client, timeout=START_S + 2 * REQUEST_S + 30, env=env())
+            assert done.returncode == 0, f"{done.stderr[-3000:]}\n{tails(procs)}"
             answer = json.loads(done.stdout)
             for got, want in zip(answer["choices"], colocated):
-                _assert_equal(got, want)
+                assert_equal(got, want)
             if not mooncake:  # the router asked the pool service for its name and events
                 router_log = next(log for name, _, log in procs if name == "router")
                 pool = f"pool@{mapping['10.0.0.1']}:7600"
-                assert f"Router hears the pool service {pool}" in _tail(router_log, 20000)
+                assert f"Router hears the pool service {pool}" in tail(router_log, 20000)
                 _wait_pool_blocks(lab, mapping["10.0.0.1"], keys)
             _stop(procs)
             for h in lab.hosts:  # no arena, nonce or pool segment left on any host
@@ -198,16 +187,6 @@ def run_cluster(tmp_path: Path, keys: Path, colocated: list[dict], mooncake: boo
             raise
 
 
-def _assert_equal(got: dict, want: dict) -> None:
-    lp = got["logprobs"]
-    assert lp["tokens"] == want["tokens"]
-    assert got["text"] == want["text"]
-    assert lp["token_logprobs"] == want["values"]
-    for top, wtop in zip(lp["top_logprobs"], want["tops"]):
-        assert top.keys() == wtop.keys()
-        assert list(top.values()) == [wtop[k] for k in top]
-
-
 def _stop(procs: list[tuple[str, subprocess.Popen, Path]]) -> None:
     """SIGTERM in reverse order of start (workers, router, pool); each must exit 0 in time."""
     for name, proc, log in reversed(procs):
@@ -216,16 +195,16 @@ def _stop(procs: list[tuple[str, subprocess.Popen, Path]]) -> None:
             rc = proc.wait(STOP_S)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise AssertionError(f"{name} did not stop in {STOP_S:g} s\n{_tail(log)}") from None
+            raise AssertionError(f"{name} did not stop in {STOP_S:g} s\n{tail(log)}") from None
         if name != "mooncake_master":  # it has no handler: SIGTERM ends it with -15
-            assert rc == 0, f"{name} exited {rc}\n{_tail(log)}"
+            assert rc == 0, f"{name} exited {rc}\n{tail(log)}"
 
 
 def _wait_for_line(proc: subprocess.Popen, log: Path, line: bytes) -> None:
     deadline = time.monotonic() + START_S
     while line not in log.read_bytes():
-        assert proc.poll() is None, f"exited {proc.returncode}\n{_tail(log)}"
-        assert time.monotonic() < deadline, f"no {line!r} in {START_S:g} s\n{_tail(log)}"
+        assert proc.poll() is None, f"exited {proc.returncode}\n{tail(log)}"
+        assert time.monotonic() < deadline, f"no {line!r} in {START_S:g} s\n{tail(log)}"
         time.sleep(0.1)
 
 
@@ -244,7 +223,7 @@ def _wait_pool_blocks(lab: NetLab, addr: str, keys: Path) -> None:
            "--address", f"tcp://{addr}:7600"]  # fmt: skip
     deadline = time.monotonic() + 60
     while True:
-        done = lab.run("a", cmd, env=_env(), cwd=REPO)
+        done = lab.run("a", cmd, env=env(), cwd=REPO)
         assert done.returncode == 0, done.stderr
         stats = json.loads(done.stdout)
         namespaces = [v for k, v in stats.items() if k != "service"]
@@ -252,11 +231,3 @@ def _wait_pool_blocks(lab: NetLab, addr: str, keys: Path) -> None:
             return
         assert time.monotonic() < deadline, f"no block reached the pool: {stats}"
         time.sleep(0.5)
-
-
-def _tail(log: Path, chars: int = 3000) -> str:
-    return log.read_bytes()[-chars:].decode(errors="replace")
-
-
-def _tails(procs) -> str:
-    return "\n".join(f"--- {name}:\n{_tail(log, 1500)}" for name, _, log in procs)

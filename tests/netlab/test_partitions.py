@@ -1,0 +1,335 @@
+"""Partitions and slow links as faults, with real processes on the network lab's hosts (issue 21):
+the router on host a, a prefill worker on b, a decode worker on c (``--kv-transport tcp``: the KV
+crosses the lab's links), without CURVE (``ENGINE_CURVE_INSECURE=1``) or a pool service.
+
+- default suite: c's link goes down for 5 s while requests are prefilled and their KV streams to
+  c; c's link shaped to 100 Mbit/s with a ``--transfer-deadline`` shorter than a transfer takes.
+- slow: c's link down for 60 s; b's link down right after the client got a first token; a's link
+  down for 10 s (the router cut from every worker).
+
+Every test: each request ends within a bound (its transfer deadline, the heartbeat timeout and
+generous slack) with the output the cluster gave before the fault (greedy: token strings and
+text exactly, logprobs to 1e-4, since a recompute runs the prompt in other chunks) or with a
+clear HTTP error; a worker cut off rejoins (state ``up`` in ``/health``) within
+``--heartbeat-timeout`` plus 5 s of its link coming back, without a restart (same pid); a fresh
+request then gets the clean output; every worker's blocks, staging and transfers return to zero;
+SIGTERM stops every process with exit 0 and nothing is left running on any host.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from lab_cluster import REPO, WORKER_EXTRA, env, tail, tails
+
+from engine.netlab import NetLab, unavailable
+
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))
+
+HEARTBEAT_S = 5.0  # the router's --heartbeat-timeout (its default)
+START_S = 240.0  # two workers load the model side by side on two busy cores
+STOP_S = 60.0
+SLACK_S = 60.0  # on top of every bound: a loaded two-core machine
+PORT = 8000
+# TCP only (no staging arena in /dev/shm), room for every request's staging area at once
+DECODE_EXTRA = ["--kv-transport", "tcp", "--kv-staging-mb", "256"]
+FILLER = (
+    "The history of the printing press begins in the fifteenth century, when a goldsmith in "
+    "Mainz combined movable metal type, oil-based ink and a wooden press. "
+)
+# Distinct first words: no request finds another's prefix cached, each prefills ~300 tokens.
+PROMPTS = [f"Story {i}: {FILLER * 8}Within fifty years" for i in range(6)]
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "logprobs": 1}
+
+# On host a: print /health as one JSON line every 0.2 s (the test reads them as they come).
+MONITOR = """
+import json, sys, time
+import httpx
+url = sys.argv[1]
+while True:
+    try:
+        r = httpx.get(url + "/health", timeout=1)
+        line = {"t": time.time(), "status": r.status_code, "health": r.json()}
+    except Exception as exc:
+        line = {"t": time.time(), "status": 0, "error": repr(exc)}
+    print(json.dumps(line), flush=True)
+    time.sleep(0.2)
+"""
+
+# On host a: each body (with its "delay" in seconds) sent in a thread, streamed; one JSON line
+# per event: {"i", "first"} when its first token came, {"i", "status", "text", "tokens",
+# "logprobs", "error", "elapsed"} when it ended.
+CLIENT = """
+import json, sys, threading, time
+import httpx
+url, bodies, timeout = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+lock = threading.Lock()
+def say(**kw):
+    with lock:
+        print(json.dumps(kw), flush=True)
+def one(i, body):
+    time.sleep(body.pop("delay", 0))
+    t0 = time.time()
+    out = {"i": i, "status": 0, "text": "", "tokens": [], "logprobs": [], "error": None}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=timeout) as r:
+            out["status"] = r.status_code
+            if r.status_code != 200:
+                r.read()
+                out["error"] = r.text
+            else:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        out["error"] = json.dumps(chunk["error"])
+                        continue
+                    c = chunk["choices"][0]
+                    if not out["text"] and not out["tokens"] and c.get("text"):
+                        say(i=i, first=time.time())
+                    out["text"] += c.get("text") or ""
+                    lp = c.get("logprobs") or {}
+                    out["tokens"] += lp.get("tokens") or []
+                    out["logprobs"] += lp.get("token_logprobs") or []
+    except Exception as exc:
+        out["error"] = repr(exc)
+    out["elapsed"] = time.time() - t0
+    say(**out)
+threads = [threading.Thread(target=one, args=(i, b)) for i, b in enumerate(bodies)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
+class LabCluster:
+    """The router on a, a prefill worker on b, a decode worker on c, and a /health monitor on
+    a; ``results``/``firsts`` of client runs and the monitor's latest lines as they come."""
+
+    def __init__(self, lab: NetLab, logs: Path, router_extra=(), deadline_s: float = 120.0):
+        self.lab = lab
+        self.logs = logs
+        self.deadline_s = deadline_s
+        a = lab.addresses["a"]
+        self.url = f"http://{a}:{PORT}"
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self.health: dict = {}
+        self.health_at = 0.0
+        self.states: list[tuple[float, dict]] = []  # (time, {worker: state}) of each /health
+        self._lines: queue.Queue = queue.Queue()
+        ctl = f"tcp://{a}:5557"
+        engine = [sys.executable, "-m", "engine"]
+        self._start("router", "a", [
+            *engine, "router", "--address", ctl, "--host", a, "--port", str(PORT),
+            "--heartbeat-timeout", str(HEARTBEAT_S), "--transfer-deadline", str(deadline_s),
+            "--rejection", "none", *router_extra,
+        ])  # fmt: skip
+        for role, host, extra in (("prefill", "b", []), ("decode", "c", DECODE_EXTRA)):
+            self._start(role, host, [
+                *engine, "worker", "--role", role, "--router", ctl, "--worker-id", role,
+                "--kv-host", lab.addresses[host], *WORKER_EXTRA, *extra,
+            ])  # fmt: skip
+        self.monitor = lab.popen(
+            "a", [sys.executable, "-c", MONITOR, self.url], env=env(), stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        threading.Thread(target=self._read_monitor, daemon=True).start()
+        self.wait(lambda h: self.workers_up(h, "prefill", "decode"), START_S, "workers up")
+        self.pids = {w: self.health["workers"][w]["pid"] for w in ("prefill", "decode")}
+
+    def _start(self, name: str, host: str, argv: list[str]) -> None:
+        log = self.logs / f"{name}.log"
+        with open(log, "wb") as f:
+            proc = self.lab.popen(host, argv, cwd=REPO, env=env(ENGINE_CURVE_INSECURE="1"),
+                                  stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+        self.procs.append((name, proc, log))
+
+    def _read_monitor(self) -> None:
+        for line in self.monitor.stdout:
+            try:
+                got = json.loads(line)
+            except ValueError:
+                continue
+            if got["status"]:
+                self.health, self.health_at = got["health"], got["t"]
+            ws = got.get("health", {}).get("workers", {})
+            self.states.append((got["t"], {w: v["state"] for w, v in ws.items()}))
+
+    def back_at(self, worker: str, since: float) -> float | None:
+        """When ``worker`` was last seen coming (or staying) up after ``since``, for good."""
+        at = None
+        for t, states in self.states:
+            if t < since:
+                continue
+            if states.get(worker) != "up":
+                at = None
+            elif at is None:
+                at = t
+        return at
+
+    @staticmethod
+    def workers_up(health: dict, *names: str) -> bool:
+        ws = health.get("workers", {})
+        return all(ws.get(n, {}).get("state") == "up" for n in names)
+
+    def wait(self, cond, timeout: float, what: str) -> float:
+        """Until ``cond(health)`` holds for a /health newer than now; the time it took."""
+        t0 = time.time()
+        while True:
+            if self.health_at > t0 and cond(self.health):
+                return time.time() - t0
+            for name, proc, _ in self.procs:
+                assert proc.poll() is None, f"{name} exited {proc.returncode}\n{tails(self.procs)}"
+            if time.time() - t0 > timeout:
+                raise AssertionError(
+                    f"no {what} in {timeout:g} s: {json.dumps(self.health)}\n{tails(self.procs)}"
+                )
+            time.sleep(0.1)
+
+    def send(self, prompts: list[str], delay_s: float = 0.0, timeout: float = 600.0):
+        """Start a client on a for ``prompts`` (each ``delay_s`` after the one before); its
+        event lines arrive in the returned queue, then None."""
+        bodies = [{"model": "default", "prompt": p, **GREEDY, "delay": i * delay_s}
+                  for i, p in enumerate(prompts)]  # fmt: skip
+        proc = self.lab.popen("a", [sys.executable, "-c", CLIENT, self.url, json.dumps(bodies),
+                                    str(timeout)], env=env(), stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+        out: queue.Queue = queue.Queue()
+
+        def read():
+            for line in proc.stdout:
+                out.put(json.loads(line))
+            out.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        return out
+
+    def results(self, events: queue.Queue, n: int, timeout: float) -> list[dict]:
+        """The n requests' endings (by index), each within ``timeout``: a hang fails here."""
+        done: dict[int, dict] = {}
+        end = time.time() + timeout
+        while len(done) < n:
+            try:
+                e = events.get(timeout=max(0.1, end - time.time()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"requests {sorted(set(range(n)) - set(done))} still open after {timeout:g} "
+                    f"s (hung)\n{json.dumps(self.health)}\n{tails(self.procs)}"
+                ) from None
+            assert e is not None, f"the client ended early: {done}\n{tails(self.procs)}"
+            if "status" in e:
+                done[e["i"]] = e
+        return [done[i] for i in range(n)]
+
+    def idle(self, timeout: float = 60.0) -> None:
+        """Every worker up, with nothing running or waiting and no blocks, staging or
+        transfers held, and neither restarted."""
+
+        def clean(h):
+            ws = h.get("workers", {})
+            if not self.workers_up(h, "prefill", "decode"):
+                return False
+            keys = ("running", "waiting", "used_blocks", "staging_used", "transfers")
+            return all(ws[w][k] == 0 for w in ("prefill", "decode") for k in keys)
+
+        self.wait(clean, timeout, "idle workers")
+        for w, pid in self.pids.items():
+            assert self.health["workers"][w]["pid"] == pid, f"{w} restarted"
+
+    def stop(self) -> None:
+        """SIGTERM in reverse order of start; each must exit 0 in time. Then nothing runs on
+        any host."""
+        self.monitor.kill()
+        self.monitor.wait(10)
+        for name, proc, log in reversed(self.procs):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise AssertionError(f"{name} did not stop in {STOP_S:g} s\n{tail(log)}") from None
+            assert rc == 0, f"{name} exited {rc}\n{tail(log)}"
+        for h in self.lab.hosts:
+            pids = _pids(self.lab, h)
+            assert not pids, f"left running on {h}: {pids}"
+
+    def kill(self) -> None:
+        self.monitor.kill()
+        for _, proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _pids(lab: NetLab, host: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "pids", lab.netns(host)], capture_output=True,
+                         text=True)  # fmt: skip
+    return out.stdout.split()
+
+
+@pytest.fixture
+def lab():
+    with NetLab(["a", "b", "c"]) as lab:
+        yield lab
+
+
+def _baseline(c: LabCluster) -> list[dict]:
+    """The cluster's greedy outputs for PROMPTS before any fault."""
+    got = c.results(c.send(PROMPTS, delay_s=0.0), len(PROMPTS), 300.0)
+    for r in got:
+        ok = r["status"] == 200 and r["error"] is None and len(r["tokens"]) == 12
+        assert ok, f"{r}\n{tails(c.procs)}"
+    return got
+
+
+def _check(results: list[dict], baseline: list[dict], bound_s: float) -> dict[str, int]:
+    """Each result the baseline's or a clear error, each within ``bound_s``; counts of each."""
+    counts = {"clean": 0, "error": 0}
+    for r, want in zip(results, baseline):
+        assert r["elapsed"] < bound_s, f"request {r['i']} took {r['elapsed']:.1f} s: {r}"
+        if r["error"] is None:
+            assert r["status"] == 200
+            assert r["tokens"] == want["tokens"] and r["text"] == want["text"], (r, want)
+            assert r["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4), (r, want)
+            counts["clean"] += 1
+        else:  # an HTTP error, or an error event after the first tokens: said, not a hang
+            assert r["status"] in (200, 429, 500, 503, 504), r
+            assert r["error"] and "Timeout" not in r["error"] and "ReadError" not in r["error"], r
+            counts["error"] += 1
+    return counts
+
+
+def test_decode_link_down_5s_mid_transfer(lab, tmp_path):
+    """c's link goes down while b prefills and streams KV to c, for 5 s."""
+    c = LabCluster(lab, tmp_path)
+    try:
+        base = _baseline(c)
+        events = c.send(PROMPTS, delay_s=0.3)
+        c.wait(lambda h: h["workers"]["prefill"]["transfers"] > 0, 60.0, "a transfer under way")
+        lab.link_down("c")
+        time.sleep(5.0)
+        lab.link_up("c")
+        t_up = time.time()
+        results = c.results(events, len(PROMPTS), 120.0 + HEARTBEAT_S + SLACK_S)
+        counts = _check(results, base, 120.0 + HEARTBEAT_S + SLACK_S)
+        c.wait(lambda h: LabCluster.workers_up(h, "decode"), HEARTBEAT_S + 5.0, "decode up")
+        back = c.back_at("decode", t_up) - t_up
+        print(f"\ndecode up {back:.1f} s after its link came back; {counts}")
+        assert back < HEARTBEAT_S + 5.0
+        after = c.results(c.send(PROMPTS[:1]), 1, 120.0)
+        assert _check(after, base, 120.0) == {"clean": 1, "error": 0}
+        c.idle()
+        c.stop()
+    except BaseException:
+        c.kill()
+        raise
