@@ -64,7 +64,8 @@ while True:
     time.sleep(0.2)
 """
 
-# On host a: each body (with its "delay" in seconds) sent in a thread, streamed; one JSON line
+# On host a: each body (with its "delay" in seconds) sent in a thread (one after the other when
+# the last argument is "serial"), streamed; one JSON line
 # per event: {"i", "first"} when its first token came, {"i", "status", "text", "tokens",
 # "logprobs", "error", "elapsed"} when it ended.
 CLIENT = """
@@ -108,6 +109,8 @@ def one(i, body):
 threads = [threading.Thread(target=one, args=(i, b)) for i, b in enumerate(bodies)]
 for t in threads:
     t.start()
+    if sys.argv[4] == "serial":
+        t.join()
 for t in threads:
     t.join()
 """
@@ -197,14 +200,16 @@ class LabCluster:
                 )
             time.sleep(0.1)
 
-    def send(self, prompts: list[str], delay_s: float = 0.0, timeout: float = 600.0):
-        """Start a client on a for ``prompts`` (each ``delay_s`` after the one before); its
-        event lines arrive in the returned queue, then None."""
+    def send(self, prompts: list[str], delay_s: float = 0.0, serial: bool = False,
+             timeout: float = 600.0):  # fmt: skip
+        """Start a client on a for ``prompts`` (each ``delay_s`` after the one before, or each
+        once the one before ended: ``serial``); its event lines arrive in the returned queue,
+        then None."""
         bodies = [{"model": "default", "prompt": p, **GREEDY, "delay": i * delay_s}
                   for i, p in enumerate(prompts)]  # fmt: skip
-        proc = self.lab.popen("a", [sys.executable, "-c", CLIENT, self.url, json.dumps(bodies),
-                                    str(timeout)], env=env(), stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
+        argv = [sys.executable, "-c", CLIENT, self.url, json.dumps(bodies), str(timeout),
+                "serial" if serial else "all"]  # fmt: skip
+        proc = self.lab.popen("a", argv, env=env(), stdout=subprocess.PIPE, text=True)
         out: queue.Queue = queue.Queue()
 
         def read():
@@ -284,8 +289,8 @@ def lab():
 
 
 def _baseline(c: LabCluster) -> list[dict]:
-    """The cluster's greedy outputs for PROMPTS before any fault."""
-    got = c.results(c.send(PROMPTS, delay_s=0.0), len(PROMPTS), 300.0)
+    """The cluster's greedy outputs for PROMPTS before any fault, one request at a time."""
+    got = c.results(c.send(PROMPTS, serial=True), len(PROMPTS), 300.0)
     for r in got:
         ok = r["status"] == 200 and r["error"] is None and len(r["tokens"]) == 12
         assert ok, f"{r}\n{tails(c.procs)}"
@@ -329,6 +334,37 @@ def test_decode_link_down_5s_mid_transfer(lab, tmp_path):
         after = c.results(c.send(PROMPTS[:1]), 1, 120.0)
         assert _check(after, base, 120.0) == {"clean": 1, "error": 0}
         c.idle()
+        c.stop()
+    except BaseException:
+        c.kill()
+        raise
+
+
+SLOW_RATE = "100mbit"
+SLOW_DEADLINE_S = 3.0  # six ~12 MB transfers at once take ~6 s at 100 Mbit/s
+LATE = "did not finish within its deadline"  # the decode worker's log, per late transfer
+
+
+def test_slow_link_transfer_outlives_its_deadline(lab, tmp_path):
+    """c's link shaped to 100 Mbit/s and the router's ``--transfer-deadline`` at 3 s: the KV of
+    six requests sent at once (~75 MB) cannot all arrive in time. A late transfer makes the
+    decode worker recompute the prompt (``--kv-load-failure recompute``, the default) instead of
+    waiting: every request ends with the clean output, within the deadline plus slack."""
+    c = LabCluster(lab, tmp_path, deadline_s=SLOW_DEADLINE_S)
+    try:
+        base = _baseline(c)
+        c.idle()
+        decode_log = next(log for name, _, log in c.procs if name == "decode")
+        late_before = tail(decode_log, 1 << 20).count(LATE)
+        lab.shape("c", SLOW_RATE)
+        results = c.results(c.send(PROMPTS), len(PROMPTS), SLOW_DEADLINE_S + SLACK_S)
+        counts = _check(results, base, SLOW_DEADLINE_S + SLACK_S)
+        late = tail(decode_log, 1 << 20).count(LATE) - late_before
+        print(f"\n{counts}; {late} transfers past their deadline")
+        assert late >= 1, f"no transfer outlived its deadline\n{tails(c.procs)}"
+        assert counts == {"clean": len(PROMPTS), "error": 0}
+        c.idle()
+        lab.shape("c", None)
         c.stop()
     except BaseException:
         c.kill()
