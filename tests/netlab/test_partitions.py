@@ -19,7 +19,6 @@ SIGTERM stops every process with exit 0 and nothing is left running on any host.
 from __future__ import annotations
 
 import json
-import queue
 import signal
 import subprocess
 import sys
@@ -130,7 +129,6 @@ class LabCluster:
         self.health: dict = {}
         self.health_at = 0.0
         self.states: list[tuple[float, dict]] = []  # (time, {worker: state}) of each /health
-        self._lines: queue.Queue = queue.Queue()
         ctl = f"tcp://{a}:5557"
         engine = [sys.executable, "-m", "engine"]
         self._start("router", "a", [
@@ -210,32 +208,37 @@ class LabCluster:
         argv = [sys.executable, "-c", CLIENT, self.url, json.dumps(bodies), str(timeout),
                 "serial" if serial else "all"]  # fmt: skip
         proc = self.lab.popen("a", argv, env=env(), stdout=subprocess.PIPE, text=True)
-        out: queue.Queue = queue.Queue()
+        out: list = []  # the reader thread appends; None once the client ended
 
         def read():
             for line in proc.stdout:
-                out.put(json.loads(line))
-            out.put(None)
+                out.append(json.loads(line))
+            out.append(None)
 
         threading.Thread(target=read, daemon=True).start()
         return out
 
-    def results(self, events: queue.Queue, n: int, timeout: float) -> list[dict]:
+    def results(self, events: list, n: int, timeout: float) -> list[dict]:
         """The n requests' endings (by index), each within ``timeout``: a hang fails here."""
-        done: dict[int, dict] = {}
         end = time.time() + timeout
-        while len(done) < n:
-            try:
-                e = events.get(timeout=max(0.1, end - time.time()))
-            except queue.Empty:
+        while True:
+            done = {e["i"]: e for e in list(events) if e is not None and "status" in e}
+            if len(done) == n:
+                return [done[i] for i in range(n)]
+            assert None not in events, f"the client ended early: {done}\n{tails(self.procs)}"
+            if time.time() > end:
                 raise AssertionError(
                     f"requests {sorted(set(range(n)) - set(done))} still open after {timeout:g} "
                     f"s (hung)\n{json.dumps(self.health)}\n{tails(self.procs)}"
-                ) from None
-            assert e is not None, f"the client ended early: {done}\n{tails(self.procs)}"
-            if "status" in e:
-                done[e["i"]] = e
-        return [done[i] for i in range(n)]
+                )
+            time.sleep(0.05)
+
+    def first_token(self, events: list, timeout: float) -> None:
+        """Until the client got some request's first token."""
+        end = time.time() + timeout
+        while not any(e is not None and "first" in e for e in list(events)):
+            assert time.time() < end, f"no first token in {timeout:g} s\n{tails(self.procs)}"
+            time.sleep(0.02)
 
     def idle(self, timeout: float = 60.0) -> None:
         """Every worker up, with nothing running or waiting and no blocks, staging or
@@ -314,23 +317,36 @@ def _check(results: list[dict], baseline: list[dict], bound_s: float) -> dict[st
     return counts
 
 
-def test_decode_link_down_5s_mid_transfer(lab, tmp_path):
-    """c's link goes down while b prefills and streams KV to c, for 5 s."""
+ROLES = {"b": ("prefill",), "c": ("decode",), "a": ("prefill", "decode")}  # who is cut off
+
+
+def _partition(lab: NetLab, tmp_path: Path, host: str, down_s: float, after_first: bool):
+    """Requests under way (staggered, so some are prefilled and stream their KV while others
+    decode), then ``host``'s link down for ``down_s`` (once the prefill worker is sending KV, or
+    once the client got a first token: ``after_first``) and up again. Every request ends clean
+    or with a clear error within its bound; the workers cut off are back up, as the same
+    processes, within the heartbeat timeout plus 5 s; a fresh request is clean; nothing is
+    held; every process stops cleanly."""
     c = LabCluster(lab, tmp_path)
     try:
         base = _baseline(c)
+        c.idle()
         events = c.send(PROMPTS, delay_s=0.3)
-        c.wait(lambda h: h["workers"]["prefill"]["transfers"] > 0, 60.0, "a transfer under way")
-        lab.link_down("c")
-        time.sleep(5.0)
-        lab.link_up("c")
+        if after_first:
+            c.first_token(events, 120.0)
+        else:
+            c.wait(lambda h: h["workers"]["prefill"]["transfers"] > 0, 60, "a transfer under way")
+        lab.link_down(host)
+        time.sleep(down_s)
+        lab.link_up(host)
         t_up = time.time()
-        results = c.results(events, len(PROMPTS), 120.0 + HEARTBEAT_S + SLACK_S)
-        counts = _check(results, base, 120.0 + HEARTBEAT_S + SLACK_S)
-        c.wait(lambda h: LabCluster.workers_up(h, "decode"), HEARTBEAT_S + 5.0, "decode up")
-        back = c.back_at("decode", t_up) - t_up
-        print(f"\ndecode up {back:.1f} s after its link came back; {counts}")
-        assert back < HEARTBEAT_S + 5.0
+        bound = down_s + 120.0 + HEARTBEAT_S + SLACK_S  # the transfer deadline's default
+        counts = _check(c.results(events, len(PROMPTS), bound), base, bound)
+        for w in ROLES[host]:
+            c.wait(lambda h, w=w: LabCluster.workers_up(h, w), HEARTBEAT_S + 5.0, f"{w} up")
+        back = max(c.back_at(w, t_up) for w in ROLES[host]) - t_up
+        print(f"\n{ROLES[host]} up {back:.1f} s after the link came back; {counts}")
+        assert back < HEARTBEAT_S + 5.0, f"{ROLES[host]} back only after {back:.1f} s"
         after = c.results(c.send(PROMPTS[:1]), 1, 120.0)
         assert _check(after, base, 120.0) == {"clean": 1, "error": 0}
         c.idle()
@@ -338,6 +354,32 @@ def test_decode_link_down_5s_mid_transfer(lab, tmp_path):
     except BaseException:
         c.kill()
         raise
+
+
+def test_decode_link_down_5s_mid_transfer(lab, tmp_path):
+    """c's link goes down for 5 s while b prefills and streams KV to c."""
+    _partition(lab, tmp_path, "c", 5.0, after_first=False)
+
+
+@pytest.mark.slow
+def test_decode_link_down_60s_mid_transfer(lab, tmp_path):
+    """c's link goes down for 60 s while b prefills and streams KV to c: long past TCP's
+    retransmission backoff."""
+    _partition(lab, tmp_path, "c", 60.0, after_first=False)
+
+
+@pytest.mark.slow
+def test_prefill_link_down_after_a_first_token(lab, tmp_path):
+    """b's link goes down (for 10 s) once the client got a request's first token: the decode
+    worker goes on from the first tokens the router relayed."""
+    _partition(lab, tmp_path, "b", 10.0, after_first=True)
+
+
+@pytest.mark.slow
+def test_router_host_cut_off_10s(lab, tmp_path):
+    """a (the router) cut from both workers for 10 s (the client and monitor on a still reach
+    it): both workers are declared dead, and both rejoin."""
+    _partition(lab, tmp_path, "a", 10.0, after_first=False)
 
 
 SLOW_RATE = "100mbit"
