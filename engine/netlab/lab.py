@@ -6,6 +6,7 @@ that can be shaped and cut. For tests and benchmarks of the cluster between host
         lab.shape("c", "1gbit")                    # tbf at both ends of c's link
         proc = lab.popen("b", ["engine", "worker", ...])
         lab.link_down("c"); ...; lab.link_up("c")  # a partition: c alive, unreachable
+        lab.cut("c"); ...; lab.mend("c")            # the same, c's carrier kept (switch drops)
 
 Layout: a switch namespace holds a bridge; each host has its own network namespace with ``lo``
 and ``eth0`` (a veth whose other end is on the bridge), its own hostname (a UTS namespace), and
@@ -51,7 +52,7 @@ def unavailable() -> str | None:
     can."""
     if os.geteuid() != 0:
         return "network namespaces need root (CAP_NET_ADMIN)"
-    for tool in ("ip", "tc", "nsenter", "unshare", "mount"):
+    for tool in ("ip", "tc", "bridge", "nsenter", "unshare", "mount"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (iproute2, util-linux)"
     probe = f"{PREFIX}probe{os.getpid()}"
@@ -249,6 +250,18 @@ class NetLab:
 
     def link_up(self, host: str) -> None:
         _run("ip", "-n", self.switch, "link", "set", self._port(host), "up")
+
+    def cut(self, host: str) -> None:
+        """Cut ``host`` off at the switch, silently: its port stops forwarding (bridge port
+        state disabled) while both ends of its link keep their carrier, so nothing on the host
+        learns of it, as when a switch or a link beyond the host's own fails. (``link_down``
+        takes the carrier away too: the host's TCP then sees its sends fail and retries every
+        half second rather than with its backoff.)"""
+        _run("bridge", "-n", self.switch, "link", "set", "dev", self._port(host), "state", "0")
+
+    def mend(self, host: str) -> None:
+        """Undo ``cut``: the port forwards again."""
+        _run("bridge", "-n", self.switch, "link", "set", "dev", self._port(host), "state", "3")
 
     def qdisc(self, host: str) -> str:
         """``tc qdisc show`` of both ends of ``host``'s link (what shape() set)."""

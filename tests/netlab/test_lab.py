@@ -62,6 +62,19 @@ def test_tcp_between_hosts_and_a_partition(lab):
     assert connect(lab, "a", "c", 9001).stderr.strip().endswith("Connection refused")
 
 
+def test_a_silent_cut_keeps_the_carrier(lab):
+    """cut: c unreachable while its eth0 keeps its carrier (LOWER_UP); mend: reachable again."""
+    lab.cut("c")
+    cut = connect(lab, "a", "c", 9001)
+    assert cut.returncode != 0 and "timed out" in cut.stderr
+    assert "LOWER_UP" in lab.run("c", ["ip", "link", "show", "eth0"]).stdout
+    lab.mend("c")  # a's failed ARP entry for c may answer "No route to host" for a moment
+    deadline = time.monotonic() + 10
+    while not connect(lab, "a", "c", 9001).stderr.strip().endswith("Connection refused"):
+        assert time.monotonic() < deadline, "c unreachable 10 s after mend"
+        time.sleep(0.2)
+
+
 def test_shape_limits_both_ends_and_unshape(lab):
     lab.shape("b", "100mbit")
     shown = lab.qdisc("b")
