@@ -38,6 +38,7 @@ import zmq
 
 from engine.cluster import messages as m
 from engine.ipc import curve
+from engine.ipc.liveness import DATA_TIMEOUT_MS, watch_peer
 from engine.ipc.process_id import identify, is_gone
 from engine.kv_connector.base import KVConnector, LoadDone, WrapsPool
 from engine.kv_connector.device_copy import HostCopier, make_copier
@@ -95,6 +96,7 @@ class KVReceiver(WrapsPool):
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES + m.MAX_HEADER_BYTES)
+        watch_peer(self._sock, DATA_TIMEOUT_MS)
         curve.secure_server(self._sock, bind)
         self._sock.bind(bind)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)

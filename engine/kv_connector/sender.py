@@ -38,6 +38,7 @@ import zmq
 
 from engine.cluster import messages as m
 from engine.ipc import curve
+from engine.ipc.liveness import DATA_TIMEOUT_MS, watch_peer
 from engine.kv_connector import faults
 from engine.kv_connector.base import KVConnector, LoadDone, StepBlocks, WrapsPool
 from engine.kv_connector.device_copy import HostCopier, Ready, make_copier
@@ -311,6 +312,7 @@ class KVSender(WrapsPool):
                     sock = ctx.socket(zmq.PUSH)
                     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
                     sock.setsockopt(zmq.LINGER, 0)
+                    watch_peer(sock, DATA_TIMEOUT_MS)  # reconnects after a partition
                     curve.secure_client(sock)
                     try:
                         sock.connect(t.kv_address)

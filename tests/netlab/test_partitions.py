@@ -4,8 +4,9 @@ crosses the lab's links), without CURVE (``ENGINE_CURVE_INSECURE=1``) or a pool 
 
 - default suite: c's link goes down for 5 s while requests are prefilled and their KV streams to
   c; c's link shaped to 100 Mbit/s with a ``--transfer-deadline`` shorter than a transfer takes.
-- slow: c's link down for 60 s; b's link down right after the client got a first token; a's link
-  down for 10 s (the router cut from every worker).
+- slow: c's link down for 60 s; c cut off silently (at the switch, its carrier kept: no RST,
+  TCP backs off) for 60 s; b's link down for 10 s right after the client got a first token; a cut
+  off silently for 10 s (the router cut from every worker).
 
 Every test: each request ends within a bound (its transfer deadline, the heartbeat timeout and
 generous slack) with the output the cluster gave before the fault (greedy: token strings and
@@ -320,13 +321,16 @@ def _check(results: list[dict], baseline: list[dict], bound_s: float) -> dict[st
 ROLES = {"b": ("prefill",), "c": ("decode",), "a": ("prefill", "decode")}  # who is cut off
 
 
-def _partition(lab: NetLab, tmp_path: Path, host: str, down_s: float, after_first: bool):
+def _partition(
+    lab: NetLab, tmp_path: Path, host: str, down_s: float, after_first: bool, silent: bool
+):
     """Requests under way (staggered, so some are prefilled and stream their KV while others
     decode), then ``host``'s link down for ``down_s`` (once the prefill worker is sending KV, or
-    once the client got a first token: ``after_first``) and up again. Every request ends clean
-    or with a clear error within its bound; the workers cut off are back up, as the same
-    processes, within the heartbeat timeout plus 5 s; a fresh request is clean; nothing is
-    held; every process stops cleanly."""
+    once the client got a first token: ``after_first``) and up again; ``silent``: cut at the
+    switch with the host's carrier kept (``NetLab.cut``), else its link down. Every request
+    ends clean or with a clear error within its bound; the workers cut off are back up, as the
+    same processes, within the heartbeat timeout plus 5 s; a fresh request is clean; nothing
+    is held; every process stops cleanly."""
     c = LabCluster(lab, tmp_path)
     try:
         base = _baseline(c)
@@ -336,9 +340,9 @@ def _partition(lab: NetLab, tmp_path: Path, host: str, down_s: float, after_firs
             c.first_token(events, 120.0)
         else:
             c.wait(lambda h: h["workers"]["prefill"]["transfers"] > 0, 60, "a transfer under way")
-        lab.link_down(host)
+        (lab.cut if silent else lab.link_down)(host)
         time.sleep(down_s)
-        lab.link_up(host)
+        (lab.mend if silent else lab.link_up)(host)
         t_up = time.time()
         bound = down_s + 120.0 + HEARTBEAT_S + SLACK_S  # the transfer deadline's default
         counts = _check(c.results(events, len(PROMPTS), bound), base, bound)
@@ -358,28 +362,35 @@ def _partition(lab: NetLab, tmp_path: Path, host: str, down_s: float, after_firs
 
 def test_decode_link_down_5s_mid_transfer(lab, tmp_path):
     """c's link goes down for 5 s while b prefills and streams KV to c."""
-    _partition(lab, tmp_path, "c", 5.0, after_first=False)
+    _partition(lab, tmp_path, "c", 5.0, after_first=False, silent=False)
 
 
 @pytest.mark.slow
 def test_decode_link_down_60s_mid_transfer(lab, tmp_path):
     """c's link goes down for 60 s while b prefills and streams KV to c: long past TCP's
     retransmission backoff."""
-    _partition(lab, tmp_path, "c", 60.0, after_first=False)
+    _partition(lab, tmp_path, "c", 60.0, after_first=False, silent=False)
+
+
+@pytest.mark.slow
+def test_decode_cut_silently_60s_mid_transfer(lab, tmp_path):
+    """c cut off at the switch for 60 s, its carrier kept: its TCP connections see nothing but
+    silence and back off, as across a failed switch."""
+    _partition(lab, tmp_path, "c", 60.0, after_first=False, silent=True)
 
 
 @pytest.mark.slow
 def test_prefill_link_down_after_a_first_token(lab, tmp_path):
     """b's link goes down (for 10 s) once the client got a request's first token: the decode
     worker goes on from the first tokens the router relayed."""
-    _partition(lab, tmp_path, "b", 10.0, after_first=True)
+    _partition(lab, tmp_path, "b", 10.0, after_first=True, silent=False)
 
 
 @pytest.mark.slow
 def test_router_host_cut_off_10s(lab, tmp_path):
-    """a (the router) cut from both workers for 10 s (the client and monitor on a still reach
-    it): both workers are declared dead, and both rejoin."""
-    _partition(lab, tmp_path, "a", 10.0, after_first=False)
+    """a (the router) cut from both workers at the switch for 10 s (the client and monitor on a
+    still reach it): both workers are declared dead, and both rejoin."""
+    _partition(lab, tmp_path, "a", 10.0, after_first=False, silent=True)
 
 
 SLOW_RATE = "100mbit"

@@ -20,6 +20,7 @@ import zmq
 
 from engine.cluster import messages as m
 from engine.ipc import curve
+from engine.ipc.liveness import watch_peer
 from engine.kvstore.block_events import BlockEvent, BlockEventError
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class RouterIO:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
         self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_HEADER_BYTES + 1024)
+        watch_peer(self._sock)  # a worker back from a partition takes its identity over
         curve.secure_server(self._sock, address)
         self._sock.bind(address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)

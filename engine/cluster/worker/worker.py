@@ -31,6 +31,7 @@ from engine.cluster import messages as m
 from engine.cluster.conductor.step_stats import StepStats
 from engine.config import EngineConfig
 from engine.ipc import curve
+from engine.ipc.liveness import watch_peer
 from engine.kv_connector import shm_proof
 from engine.kvstore.block_events import EVENT_KEYS, BlockEvent
 
@@ -206,6 +207,7 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)
         sock.setsockopt_string(zmq.IDENTITY, f"{self.worker_id}/hb")
+        watch_peer(sock)  # back within seconds of a partition's end (liveness.py)
         curve.secure_client(sock)
         sock.connect(self.cfg.router)
         try:
@@ -244,6 +246,7 @@ class Worker:
         ctl.setsockopt(zmq.SNDHWM, 100_000)
         ctl.setsockopt(zmq.MAXMSGSIZE, m.MAX_HEADER_BYTES + 1024)
         ctl.setsockopt_string(zmq.IDENTITY, self.worker_id)
+        watch_peer(ctl)
         curve.secure_client(ctl)
         ctl.connect(self.cfg.router)
         ctl.send_multipart(m.encode(self._register()))
