@@ -281,6 +281,11 @@ class KVSender(WrapsPool):
     def _send_loop(self) -> None:
         ctx = zmq.Context.instance()
         socks: dict[str, zmq.Socket] = {}
+        # Addresses whose last send waited out send_timeout (the decode worker gone silent: a
+        # partition, a hung process): until one send there goes through, each send there is
+        # tried once, not waited for, so the transfers queued behind, to it and to every
+        # other decode worker, are not held send_timeout each.
+        stuck: set[str] = set()
         try:
             while True:
                 item = self._queue.get()
@@ -321,10 +326,12 @@ class KVSender(WrapsPool):
                         self._fail(t, f"cannot connect to {t.kv_address!r}: {exc}")
                         continue
                     socks[t.kv_address] = sock
-                tracker = self._send(sock, frames)
+                tracker = self._send(sock, frames, 0.0 if t.kv_address in stuck else None)
                 if tracker is None:
+                    stuck.add(t.kv_address)
                     self._fail(t, f"{t.kv_address} took nothing for {self.send_timeout:.0f} s")
                     continue
+                stuck.discard(t.kv_address)
                 if item[0] == "layer" and t.transport != "shm":  # its buffer can be reused
                     self._returns.append((tracker if t.transport == "tcp" else _DONE, item[5][0]))
                 if item[0] == "layer":
@@ -351,9 +358,10 @@ class KVSender(WrapsPool):
                 return False
         return True
 
-    def _send(self, sock: zmq.Socket, frames: list):
-        """The send's tracker (done once ZeroMQ let go of the buffers), or None at the deadline."""
-        deadline = time.monotonic() + self.send_timeout
+    def _send(self, sock: zmq.Socket, frames: list, wait_s: float | None = None):
+        """The send's tracker (done once ZeroMQ let go of the buffers), or None once ``wait_s``
+        (default: send_timeout) passed."""
+        deadline = time.monotonic() + (self.send_timeout if wait_s is None else wait_s)
         while True:
             try:
                 return sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
