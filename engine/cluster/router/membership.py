@@ -61,9 +61,10 @@ class Worker:
     hb: m.Heartbeat | None = None
     last_heartbeat: float = 0.0  # when its last heartbeat (not any message) arrived
     heartbeat_gap_max: float = 0.0  # the longest time between two of its heartbeats
-    # The attempts (wire ids) the router gave up on when it declared this worker dead: a
-    # process cut off by a partition still holds them (staging, blocks, sends) until its own
-    # deadlines; when the same process registers again, the router aborts each.
+    # The attempts (wire ids) the router gave up on when it declared this worker dead, or whose
+    # Abort could not be sent (its connection down): a process cut off by a partition still
+    # holds them (staging, blocks, sends) until its own deadlines; when the same process
+    # registers again, the router aborts each.
     abandoned: list[str] = field(default_factory=list)
 
     @property

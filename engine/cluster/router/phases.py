@@ -267,8 +267,12 @@ class Phases:
     def _abort_legs(self, req: RouterRequest) -> None:
         for wid in (req.prefill, req.decode):
             w = self.members.reachable(wid)
-            if w is not None:
-                self._send(w, m.Abort(req.wire_id))
+            if w is not None and not self._send(w, m.Abort(req.wire_id)):
+                # Its connection is down (a partition the heartbeats have not shown yet): the
+                # Abort goes when it registers again (Router.on_message), so its staging and
+                # blocks do not wait for its own deadlines.
+                if len(w.abandoned) < MAX_ABANDONED:
+                    w.abandoned.append(req.wire_id)
         req.prefill = req.decode = ""
 
     def _fail(self, req: RouterRequest, exc: BaseException) -> None:

@@ -259,10 +259,12 @@ class Router:
     def on_message(self, identity: bytes, msg: m.Message, now: float) -> None:
         if isinstance(msg, m.Register):
             new = self._members.register(identity, msg, now)
+            w = self._members.workers.get(msg.worker_id)
+            if w is not None and w.live and w.identity == identity and w.abandoned:
+                # Back from a partition (declared dead, or its Aborts could not be sent): it
+                # drops what was given up on it; what cannot be sent now waits for the next.
+                w.abandoned = [r for r in w.abandoned if not self._io.send(w, m.Abort(r))]
             if new is not None:
-                for wire_id in new.abandoned:  # back from a partition: drop what was given up
-                    self._io.send(new, m.Abort(wire_id))
-                new.abandoned.clear()
                 for prefill, probe in shm_pairs.probes(new, self._members.workers.values()):
                     self._io.send(prefill, probe)
         elif isinstance(msg, m.Heartbeat):

@@ -150,3 +150,49 @@ def test_a_worker_back_from_a_partition_is_told_to_drop_what_was_given_up():
         router.close()
         for w in (p, d):
             w.sock.close(linger=0)
+
+
+def test_an_abort_that_could_not_be_sent_goes_when_the_worker_registers_again():
+    """The router gives up on a request (its prefill worker died) while the decode worker's
+    connection is down but its heartbeats still count (ZeroMQ's heartbeats dropped the
+    connection first): the Abort cannot be sent, so it goes once that worker registers again
+    over its new connection, and the staging area it holds is not kept to its deadline."""
+    router = Router(RouterConfig(heartbeat_timeout_s=1.0))
+    p, d = Scripted(router, "p0", "prefill"), Scripted(router, "d0", "decode")
+    errors: list = []
+
+    def client():
+        async def run():
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            try:
+                async for _ in router.generate([11, 12, 13, 14], params, request_id="r"):
+                    pass
+            except Exception as exc:
+                errors.append(exc)
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=client, daemon=True)
+    try:
+        pump_until([p, d], lambda: len(router.workers) == 2, "registration")
+        thread.start()
+        req = pump_until([p, d], lambda: d.first(m.DecodeRequest), "the DecodeRequest")
+        d.send(m.DecodeReady(req.request_id, 0, 4096))
+        pump_until([p, d], lambda: p.first(m.PrefillRequest), "the PrefillRequest")
+        d.sock.close(linger=0)  # its connection is gone; its heartbeats go on over a new one
+        d.sock = zmq.Context.instance().socket(zmq.DEALER)
+        d.sock.setsockopt(zmq.LINGER, 0)
+        d.sock.connect(router.address)
+        d.inbox.clear()
+        p.alive = False
+        pump_until([p, d], lambda: errors, "the request's error")
+        assert router.workers["d0"].state == "up"
+        assert router.workers["d0"].abandoned == [req.request_id]
+        d.register()  # the same process registers again, over the new connection
+        abort = pump_until([p, d], lambda: d.first(m.Abort), "the Abort, late")
+        assert abort.request_id == req.request_id and router.workers["d0"].abandoned == []
+    finally:
+        thread.join(10)
+        router.close()
+        for w in (p, d):
+            w.sock.close(linger=0)
