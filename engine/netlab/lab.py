@@ -23,6 +23,7 @@ sweeps do. Traffic stays inside: the switch has no link to the machine's own net
 from __future__ import annotations
 
 import atexit
+import ctypes
 import ipaddress
 import os
 import re
@@ -38,6 +39,7 @@ RUN_DIR = "/run/engine-netlab"
 PREFIX = "enl"
 SUBNET = "10.213.0.0/24"
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+CLONE_NEWNET = 0x40000000
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -61,6 +63,22 @@ def unavailable() -> str | None:
         return f"ip netns add refused: {made.stderr.strip()}"
     _run("ip", "netns", "del", probe, check=False)
     return None
+
+
+def enter(netns: str) -> None:
+    """Move the calling thread into the network namespace ``netns`` (``NetLab.netns(host)``):
+    the sockets it opens from then on, and the threads it starts (ZeroMQ's, a KVSender's), are
+    that host's. For a Python process started by this one (multiprocessing) that should run on
+    a lab host, called first thing; it keeps its mount namespace (the machine's /dev/shm), so
+    use ``popen`` where a host's own /dev/shm matters."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {netns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:

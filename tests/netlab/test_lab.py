@@ -130,3 +130,40 @@ def test_a_killed_labs_leftovers_are_swept():
     while os.path.exists(os.path.join(RUN_DIR, f"enl{pid}")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(os.path.join(RUN_DIR, f"enl{pid}"))
+
+
+def _bind_in(netns: str, address: str, conn) -> None:
+    import socket
+    import threading
+
+    from engine.netlab import enter
+
+    enter(netns)
+    out = []
+
+    def bind() -> None:  # a thread started after enter(): on the host too
+        s = socket.socket()
+        s.bind((address, 0))
+        out.append(s.getsockname()[1])
+        s.close()
+
+    th = threading.Thread(target=bind)
+    th.start()
+    th.join()
+    conn.send(out)
+
+
+def test_enter_puts_a_process_and_its_new_threads_on_a_host(lab):
+    import multiprocessing as mp
+    import socket
+
+    with pytest.raises(OSError):  # not an address of this machine's own network
+        socket.socket().bind((lab.addresses["b"], 0))
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_bind_in, args=(lab.netns("b"), lab.addresses["b"], there))
+    proc.start()
+    assert here.poll(60), "the process on b did not answer"
+    assert len(here.recv()) == 1
+    proc.join(10)
+    assert proc.exitcode == 0
