@@ -16,9 +16,20 @@ measured in the same run.
 4. interference: a steady decode load plus arriving long prompts; time between tokens of the
    running decodes (p50/p99), colocated against 1 prefill + 1 decode.
 
+
+--netlab RATE[,RATE...] (root): parts 1 and 2 between two hosts of a network lab (engine/netlab:
+own network namespaces, one switch), the sending side on host p and the receiving processes on
+host d, every link shaped to the rate (tbf). Transfer at each rate: raw ZeroMQ, ours over TCP and
+over Mooncake's Transfer Engine (TCP), in Gbit/s, with the CPU each end spent per second of
+transfer. Overlap at --overlap-rate (default the first rate) over TCP, with the prefill also run
+colocated (no transfer): "extra" is what 1P+1D adds to the prefill's time, against the transfer
+un-overlapped. ZeroMQ sockets without CURVE (both raw and ours) unless --curve.
+
     .venv/bin/python profiling/bench_cluster.py                      # everything
     .venv/bin/python profiling/bench_cluster.py --parts transfer,overlap
     .venv/bin/python profiling/bench_cluster.py --trace   # the trace by policy (bench_trace.py)
+    .venv/bin/python profiling/bench_cluster.py --netlab 1gbit,4gbit --rounds 5 \
+        --overlap-sizes 1024,2048,4096                               # issue 21's link figures
 """
 
 from __future__ import annotations
