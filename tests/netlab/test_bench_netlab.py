@@ -59,6 +59,6 @@ def test_netlab_transfer_and_overlap_tables():
         assert len(_row(out, "KV transfer over mooncake (ours)")) == 5
     assert "## Overlap over a 200mbit link" in out
     line = next(x for x in out.splitlines() if re.match(r"^\s+64\s+tcp\s", x))
-    assert len(line.split()) == 11, line  # tokens, transport, MiB, 4 times, 2 ratios, 2 CPU
+    assert len(line.split()) == 13, line  # tokens, transport, MiB, 4 times, 2 ratios, 3 CPU, 1
     left = [n for n in _netns() if n.startswith(f"enl{proc.pid}-")]  # other labs may run
     assert not left, f"the lab's namespaces outlived the script: {left}"
