@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -637,6 +639,7 @@ def bench_netlab(args, parts: set[str]) -> None:
     keys = os.environ.get("ENGINE_CURVE_KEYS")
     if args.curve and not keys:
         keys = tempfile.mkdtemp(prefix="bench-cluster-keys-")
+        atexit.register(shutil.rmtree, keys, True)
         curve.generate_keys(keys)
         os.environ["ENGINE_CURVE_KEYS"] = keys  # the processes on the hosts inherit it
     if not keys:
