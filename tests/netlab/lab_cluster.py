@@ -5,6 +5,8 @@ with the one expected (colocated serving, or the cluster's own before a fault)."
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 from doc_hosts import REPO
@@ -44,3 +46,17 @@ def assert_equal(got: dict, want: dict) -> None:
     for top, wtop in zip(lp["top_logprobs"], want["tops"]):
         assert top.keys() == wtop.keys()
         assert list(top.values()) == [wtop[k] for k in top]
+
+
+def stop_all(procs, timeout_s: float, may_die_by_signal: tuple[str, ...] = ()) -> None:
+    """SIGTERM each (name, process, log) in reverse order of start; each must exit 0 within
+    ``timeout_s`` (those named in ``may_die_by_signal`` have no handler: any code)."""
+    for name, proc, log in reversed(procs):
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"{name} did not stop in {timeout_s:g} s\n{tail(log)}") from None
+        if name not in may_die_by_signal:
+            assert rc == 0, f"{name} exited {rc}\n{tail(log)}"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import pytest
 from doc_hosts import REPO, HostCommand, doc_blocks, substitute, without_option
-from lab_cluster import WORKER_EXTRA, assert_equal, env, tail, tails
+from lab_cluster import WORKER_EXTRA, assert_equal, env, stop_all, tail, tails
 
 from engine.netlab import NetLab, unavailable
 
@@ -176,7 +175,7 @@ def run_cluster(tmp_path: Path, keys: Path, colocated: list[dict], mooncake: boo
                 pool = f"pool@{mapping['10.0.0.1']}:7600"
                 assert f"Router hears the pool service {pool}" in tail(router_log, 20000)
                 _wait_pool_blocks(lab, mapping["10.0.0.1"], keys)
-            _stop(procs)
+            stop_all(procs, STOP_S, may_die_by_signal=("mooncake_master",))
             for h in lab.hosts:  # no arena, nonce or pool segment left on any host
                 assert lab.run(h, ["ls", "-A", "/dev/shm"]).stdout.split() == [], h
             return answer["health"]
@@ -185,19 +184,6 @@ def run_cluster(tmp_path: Path, keys: Path, colocated: list[dict], mooncake: boo
                 if proc.poll() is None:
                     proc.kill()
             raise
-
-
-def _stop(procs: list[tuple[str, subprocess.Popen, Path]]) -> None:
-    """SIGTERM in reverse order of start (workers, router, pool); each must exit 0 in time."""
-    for name, proc, log in reversed(procs):
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(STOP_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError(f"{name} did not stop in {STOP_S:g} s\n{tail(log)}") from None
-        if name != "mooncake_master":  # it has no handler: SIGTERM ends it with -15
-            assert rc == 0, f"{name} exited {rc}\n{tail(log)}"
 
 
 def _wait_for_line(proc: subprocess.Popen, log: Path, line: bytes) -> None:

@@ -20,7 +20,6 @@ SIGTERM stops every process with exit 0 and nothing is left running on any host.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from lab_cluster import REPO, WORKER_EXTRA, env, tail, tails
+from lab_cluster import REPO, WORKER_EXTRA, env, stop_all, tail, tails
 
 from engine.netlab import NetLab, unavailable
 
@@ -261,14 +260,7 @@ class LabCluster:
         any host."""
         self.monitor.kill()
         self.monitor.wait(10)
-        for name, proc, log in reversed(self.procs):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                rc = proc.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise AssertionError(f"{name} did not stop in {STOP_S:g} s\n{tail(log)}") from None
-            assert rc == 0, f"{name} exited {rc}\n{tail(log)}"
+        stop_all(self.procs, STOP_S)
         for h in self.lab.hosts:
             pids = _pids(self.lab, h)
             assert not pids, f"left running on {h}: {pids}"
