@@ -100,15 +100,8 @@ def test_decode_worker_gets_the_first_tokens_and_hears_of_the_prefill_workers_de
             w.sock.close(linger=0)
 
 
-def test_a_worker_back_from_a_partition_is_told_to_drop_what_was_given_up():
-    """A decode worker silent past the heartbeat timeout (cut off, alive) is declared dead and
-    its request fails; when the same process registers again (its link came back) the router
-    aborts that attempt there, so its staging area and blocks come back at once instead of at
-    its transfer deadline (120 s by default). A restarted process (another pid) holds nothing:
-    it gets no Abort."""
-    router = Router(RouterConfig(heartbeat_timeout_s=1.0))
-    p, d = Scripted(router, "p0", "prefill"), Scripted(router, "d0", "decode")
-    errors: list = []
+def client_thread(router: Router, errors: list) -> threading.Thread:
+    """A client's request "r" through the router (not started); its error lands in errors."""
 
     def client():
         async def run():
@@ -121,7 +114,19 @@ def test_a_worker_back_from_a_partition_is_told_to_drop_what_was_given_up():
 
         asyncio.run(run())
 
-    thread = threading.Thread(target=client, daemon=True)
+    return threading.Thread(target=client, daemon=True)
+
+
+def test_a_worker_back_from_a_partition_is_told_to_drop_what_was_given_up():
+    """A decode worker silent past the heartbeat timeout (cut off, alive) is declared dead and
+    its request fails; when the same process registers again (its link came back) the router
+    aborts that attempt there, so its staging area and blocks come back at once instead of at
+    its transfer deadline (120 s by default). A restarted process (another pid) holds nothing:
+    it gets no Abort."""
+    router = Router(RouterConfig(heartbeat_timeout_s=1.0))
+    p, d = Scripted(router, "p0", "prefill"), Scripted(router, "d0", "decode")
+    errors: list = []
+    thread = client_thread(router, errors)
     try:
         pump_until([p, d], lambda: len(router.workers) == 2, "registration")
         thread.start()
@@ -160,19 +165,7 @@ def test_an_abort_that_could_not_be_sent_goes_when_the_worker_registers_again():
     router = Router(RouterConfig(heartbeat_timeout_s=1.0))
     p, d = Scripted(router, "p0", "prefill"), Scripted(router, "d0", "decode")
     errors: list = []
-
-    def client():
-        async def run():
-            params = SamplingParams(max_tokens=4, ignore_eos=True)
-            try:
-                async for _ in router.generate([11, 12, 13, 14], params, request_id="r"):
-                    pass
-            except Exception as exc:
-                errors.append(exc)
-
-        asyncio.run(run())
-
-    thread = threading.Thread(target=client, daemon=True)
+    thread = client_thread(router, errors)
     try:
         pump_until([p, d], lambda: len(router.workers) == 2, "registration")
         thread.start()
