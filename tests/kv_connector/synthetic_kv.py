@@ -5,6 +5,7 @@ written into the staging area (shared memory), in a shuffled order, then a KVDon
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 import zmq
@@ -65,3 +66,11 @@ def send_layers(rx, arena, t, layers, order_seed, inline, tamper=None, rid="r", 
 
 def wait_event(rx):
     return rx.events.get(timeout=10)
+
+
+def wait_freed(arena, timeout_s: float = 10.0) -> None:
+    """Wait until the arena holds nothing (a released area is freed once no sender can write)."""
+    deadline = time.monotonic() + timeout_s
+    while arena.used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert arena.used == 0, f"{arena.used} bytes still held"

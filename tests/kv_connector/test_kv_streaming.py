@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 from engines import make_engine, run_all
-from synthetic_kv import BS, NB, D, H, L, send_layers, synthetic, wait_event
+from synthetic_kv import BS, NB, D, H, L, send_layers, synthetic, wait_event, wait_freed
 
 from engine.cluster import messages as m
 from engine.cluster.worker.roles import DecodeRole, PrefillRole
@@ -327,10 +327,7 @@ def test_bad_transfers_fail(transport, chunks, tamper, words):
         assert wait_event(rx) == "r"
         assert not t.ok and words in t.error
         rx.release("r")
-        deadline = time.monotonic() + 10  # freed once the sender's KVDone came (not before)
-        while arena.used and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert arena.used == 0
+        wait_freed(arena)  # freed once the sender's KVDone came (not before)
     finally:
         rx.close()
         arena.close()
@@ -479,10 +476,7 @@ def test_deadline_expires_and_shm_area_waits_for_sender():
         push.connect(rx.address)
         push.send_multipart(m.encode(m.KVAbort("r", "gave up")))
         push.close(linger=5000)
-        deadline = time.monotonic() + 10
-        while arena.used and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert arena.used == 0
+        wait_freed(arena)
     finally:
         rx.close()
         arena.close()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from synthetic_kv import L, send_layers, synthetic, wait_event
+from synthetic_kv import L, send_layers, synthetic, wait_event, wait_freed
 
 from engine.cluster import messages as m
 
@@ -81,10 +81,7 @@ def test_bad_group_transfers_fail(transport, first, second, words):
         assert wait_event(rx) == "r"
         assert not t.ok and words in t.error, t.error
         rx.release("r")
-        deadline = time.monotonic() + 10  # both stages said KVDone: the area is free
-        while arena.used and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert arena.used == 0
+        wait_freed(arena)  # both stages said KVDone: the area is free
     finally:
         rx.close()
         arena.close()
@@ -101,10 +98,7 @@ def test_one_stage_aborting_fails_the_transfer_and_the_area_waits_for_the_other(
         time.sleep(0.2)
         assert arena.used > 0  # the other stage may still be writing into the area
         send_layers(rx, arena, t, [], 0, False, done=done(0, 2))
-        deadline = time.monotonic() + 10
-        while arena.used and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert arena.used == 0
+        wait_freed(arena)
     finally:
         rx.close()
         arena.close()
