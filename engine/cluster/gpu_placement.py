@@ -76,10 +76,13 @@ def worker_gpu_argv(
     device: str,
     utilization: float,
     gpus: int | None = None,
+    stage_ids: list[str] | None = None,
 ) -> dict[str, list[str]] | None:
-    """``place_workers`` for the launcher's workers (``prefill-I`` then ``decode-I``): each
-    worker id's ``--device cuda:I --gpu-memory-utilization U``, or None on the CPU."""
-    ids = [f"prefill-{i}" for i in range(prefill)] + [f"decode-{i}" for i in range(decode)]
+    """``place_workers`` for the launcher's workers (``prefill-I``, then the prefill groups'
+    ``stage_ids``, then ``decode-I``): each worker id's ``--device cuda:I
+    --gpu-memory-utilization U``, or None on the CPU."""
+    ids = [f"prefill-{i}" for i in range(prefill)] + list(stage_ids or [])
+    ids += [f"decode-{i}" for i in range(decode)]
     placed = place_workers(len(ids), visible_gpus, device, utilization, gpus)
     if placed is None:
         return None

@@ -66,6 +66,15 @@ class Register(Message, kind="register"):
     # prefill worker proves it can read before the router lets it write there
     shm_digest: str = ""
     pid_ns: str = ""  # its pid namespace ("dev:inode"), compared only where /dev/shm is shared
+    # prefill: a stage of a pipelined prefill group (chunked pipeline parallelism): the group's
+    # name ("" for a single prefill worker), this stage (from 0) of ``stages``, the group's chunk
+    # (the stage's prefill budget), and, after the first stage, where the stage before sends its
+    # hidden states (stage_link.py)
+    group: str = ""
+    stage: int = 0
+    stages: int = 1
+    chunk_tokens: int = 0
+    hidden_address: str = ""
 
 
 class Heartbeat(Message, kind="heartbeat"):
@@ -182,6 +191,13 @@ class PrefillRequest(_PromptRequest, kind="prefill_request"):
     stream_layers: bool = True  # False: every layer leaves after the prefill (benchmarks)
     peer_address: str = ""  # mooncake: the decode worker's Transfer Engine
     peer_base: int = 0  # mooncake: its staging arena's address
+    # A stage of a prefill group: the next stage's hidden-state endpoint ("" on the last);
+    # ``prefix_tokens``, on the first stage: the cached prefix every stage of the group holds (by
+    # their block events), at most which it reuses (-1: no cap); ``deadline_s``, after the first:
+    # how long it waits for the hidden states of the stage before.
+    stage_next: str = ""
+    prefix_tokens: int = -1
+    deadline_s: float = 120.0
 
 
 class ShmProbe(Message, kind="shm_probe"):

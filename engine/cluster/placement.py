@@ -24,6 +24,10 @@ class WorkerView(NamedTuple):
     running: int
     waiting: int
     kv_usage: float
+    # A prefill group (chunked pipeline parallelism): its stages and chunk size; 1 and 0 for a
+    # worker alone. A group is one prefill unit, ``worker_id`` its id (``group:NAME``).
+    stages: int = 1
+    chunk_tokens: int = 0
 
 
 class Placed(NamedTuple):
@@ -85,8 +89,14 @@ class Placement(Protocol):
         """A worker registered (``role`` prefill or decode), or a pool was added (``pool``)."""
         ...
 
+    def group_joined(self, unit_id: str, stages: int, chunk_tokens: int, now: float) -> None:
+        """A prefill group is up (every stage registered): one prefill unit of ``stages``
+        pipelined stages cutting long prompts into chunks of ``chunk_tokens``. It goes by
+        ``worker_left(unit_id)`` when a stage leaves or dies."""
+        ...
+
     def worker_left(self, worker_id: str, now: float) -> None:
-        """A worker died or said goodbye."""
+        """A worker (or a prefill group) died or said goodbye."""
         ...
 
     def on_event(self, worker_id: str, event: BlockEvent) -> bool:
@@ -135,6 +145,9 @@ class PlacementBase:
         pass
 
     def worker_joined(self, worker_id: str, role: str, now: float) -> None:
+        pass
+
+    def group_joined(self, unit_id: str, stages: int, chunk_tokens: int, now: float) -> None:
         pass
 
     def worker_left(self, worker_id: str, now: float) -> None:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from engine.cluster.conductor.conductor import Conductor, ConductorConfig
 from engine.cluster.conductor.cost_model import get_cost_model
 from engine.cluster.conductor.decision import REJECT_TBT, REJECT_TTFT, Decision
+from engine.cluster.conductor.pipeline import PipelineShape
 from engine.cluster.conductor.prefix_index import EventError
 from engine.cluster.placement import Placed, PlacementBase
 from engine.core.scheduler import QueueFullError
@@ -117,6 +118,9 @@ class ConductorPlacement(PlacementBase):
         for wid in gone:  # pools are not workers: they come and go by worker_joined/left
             self.conductor.remove_instance(wid, now)
             del self._known[wid]
+        for w in prefill:
+            if w.worker_id not in self._known and getattr(w, "stages", 1) > 1:
+                self.group_joined(w.worker_id, w.stages, w.chunk_tokens, now)
         for wid, role in live.items():
             if wid not in self._known:
                 self.conductor.add_instance(wid, role)
@@ -147,6 +151,14 @@ class ConductorPlacement(PlacementBase):
             self.worker_left(worker_id, now)
         self.conductor.add_instance(worker_id, role)
         self._known[worker_id] = role
+
+    def group_joined(self, unit_id: str, stages: int, chunk_tokens: int, now: float) -> None:
+        """A prefill group: one prefill unit whose TTFT is the pipelined time (pipeline.py)."""
+        if unit_id in self._known:
+            self.worker_left(unit_id, now)
+        shape = PipelineShape(stages, max(1, chunk_tokens))
+        self.conductor.add_instance(unit_id, "prefill", shape=shape)
+        self._known[unit_id] = "prefill"
 
     def worker_left(self, worker_id: str, now: float) -> None:
         if self._known.pop(worker_id, None) is not None:

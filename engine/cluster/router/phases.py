@@ -25,6 +25,7 @@ from engine.cluster.router.outputs import apply_outputs, assemble
 from engine.cluster.router.request import RouterRequest
 from engine.core.metrics import EngineMetrics
 from engine.ipc.wire import params_to_wire
+from engine.kvcache.prefix_hash import hash_blocks
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +101,14 @@ class Phases:
             if req.phase == "copying":
                 self._start_prefill(req, *req.ready)
         elif isinstance(msg, m.Outputs):
-            if wid not in (req.prefill, req.decode):
+            last = req.legs[-1] if req.legs else ""  # a group's last stage samples
+            if wid not in (last, req.decode):
                 return
-            if wid == req.prefill and req.phase == "prefill":
+            if wid == last and req.phase == "prefill":
                 req.phase = "decode"
                 req.metrics.num_cached_tokens = msg.num_cached_tokens
                 self.placement.prefill_done(req.wire_id, now, msg.num_cached_tokens)
-            if wid == req.prefill:
+            if wid == last:
                 # The decode worker learns the first tokens the client gets, in case the KV
                 # transfer fails before its KVDone: it then recomputes from these.
                 d = self.members.reachable(req.decode)
@@ -117,9 +119,10 @@ class Phases:
         elif isinstance(msg, m.TransferFailed):
             if wid != req.decode:
                 return
-            p = self.members.workers.get(req.prefill)
-            if p is not None:
-                self._send(p, m.Abort(req.wire_id))
+            for leg in req.legs:
+                p = self.members.workers.get(leg)
+                if p is not None:
+                    self._send(p, m.Abort(req.wire_id))
             if msg.recompute:
                 req.phase = "decode"  # the decode worker prefills it itself
                 req.phase_deadline = time.monotonic() + self.cfg.request_timeout_s
@@ -127,7 +130,7 @@ class Phases:
                 self._abort_legs(req)
                 self._fail(req, RuntimeError(f"KV transfer failed: {msg.reason}"))
         elif isinstance(msg, m.RequestError):
-            if wid not in (req.prefill, req.decode):
+            if wid not in (*req.legs, req.decode):
                 return
             if msg.code in (429, 503):
                 self._retry(req, f"worker {wid}: {msg.message}")
@@ -138,20 +141,23 @@ class Phases:
 
     def worker_died(self, w: Worker) -> None:
         for req in list(self.requests.values()):
-            if w.worker_id not in (req.prefill, req.decode):
+            if w.worker_id not in (*req.legs, req.decode):
                 continue
             if len(w.abandoned) < MAX_ABANDONED:  # aborted there should it come back
                 w.abandoned.append(req.wire_id)
-            if w.worker_id == req.prefill and req.phase == "decode":
-                req.prefill = ""  # its part is done; the decode worker carries on
+            if w.worker_id in req.legs and req.phase == "decode":
+                # Its part is done (a group's: every stage's, as the last one sampled); the
+                # decode worker carries on.
+                req.prefill, req.legs = "", ()
                 d = self.members.reachable(req.decode)
                 if d is not None:
                     # Its KV may not all have left: the decode worker need not wait out the
                     # transfer deadline (it recomputes from the first tokens).
                     self._send(d, m.SourceGone(req.wire_id, w.worker_id))
                 continue
-            if w.worker_id == req.prefill:
-                req.prefill = ""
+            if w.worker_id in req.legs:
+                # A stage of a group: the others drop the request (_retry aborts the legs)
+                req.legs = tuple(leg for leg in req.legs if leg != w.worker_id)
             else:
                 req.decode = ""
             self._retry(req, f"worker {w.worker_id} died")
@@ -178,6 +184,11 @@ class Phases:
             self._fail(req, exc or ClusterUnavailableError("no live prefill and decode workers"))
             return
         req.prefill, req.decode = placed
+        legs = self.members.stage_workers(req.prefill)
+        if not legs:
+            self._fail(req, ClusterUnavailableError(f"prefill unit {req.prefill} is not up"))
+            return
+        req.legs = tuple(w.worker_id for w in legs)
         req.phase = "reserving"
         req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
         # A fresh id per attempt: late messages of an abandoned attempt can never be taken for
@@ -188,14 +199,18 @@ class Phases:
         self.placement.bind(req.wire_id)
         req.ready = None
         req.copy_wait = self._start_copies(req)
-        p = self.members.workers[req.prefill]
+        # One sender: the decode worker may watch its pid where they share a kernel. A group
+        # has one per stage (each sends its own layers); the router tells of a stage's death.
+        p = legs[0]
+        alone = len(legs) == 1
         msg = m.DecodeRequest(
             req.wire_id,
             req.ids,
             params_to_wire(req.params),
             self.cfg.transfer_deadline_s,
-            sender_pid=p.pid,
-            sender_local=shm_pairs.shares_pids(p, self.members.workers[req.decode]),
+            sender_pid=p.pid if alone else 0,
+            sender_local=alone and shm_pairs.shares_pids(p, self.members.workers[req.decode]),
+            senders=len(legs),
         )
         if not self._send(self.members.workers[req.decode], msg):
             self._retry(req, f"decode worker {req.decode} is unreachable")
@@ -218,10 +233,41 @@ class Phases:
         return sent
 
     def _start_prefill(self, req: RouterRequest, decode: Worker, ready: m.DecodeReady) -> None:
-        p = self.members.workers.get(req.prefill)
-        if p is None or p.state != "up":
-            self._retry(req, f"prefill worker {req.prefill} is gone")
+        legs = [self.members.workers.get(leg) for leg in req.legs]
+        if not legs or any(p is None or p.state != "up" for p in legs):
+            self._retry(req, f"prefill unit {req.prefill} is gone")
             return
+        req.phase = "prefill"
+        req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
+        self.placement.prefill_started(req.wire_id, time.monotonic())
+        prefix = self._group_prefix(req, legs) if len(legs) > 1 else -1
+        for i, p in enumerate(legs):
+            transport = self._transport(p, decode)
+            p.kv_transports[transport] = p.kv_transports.get(transport, 0) + 1
+            mooncake = transport == "mooncake"
+            msg = m.PrefillRequest(
+                req.wire_id,
+                req.ids,
+                params_to_wire(req.params),
+                decode.worker_id,
+                decode.kv_address,
+                transport,
+                decode.shm_path if transport == "shm" else "",
+                ready.offset,
+                ready.nbytes,
+                stream_layers=self.cfg.stream_layers,
+                peer_address=decode.mooncake_address if mooncake else "",
+                peer_base=decode.arena_addr if mooncake else 0,
+                stage_next=legs[i + 1].hidden_address if i + 1 < len(legs) else "",
+                prefix_tokens=prefix if i == 0 else -1,
+                deadline_s=self.cfg.transfer_deadline_s,
+            )
+            if not self._send(p, msg):
+                self._retry(req, f"prefill worker {p.worker_id} is unreachable")
+                return
+
+    def _transport(self, p: Worker, decode: Worker) -> str:
+        """How prefill worker p sends KV to the decode worker."""
         transport = self.cfg.kv_transport
         same_host = shm_pairs.shares_memory(p, decode)  # proven, never by hostname
         if decode.mooncake_address and (transport or decode.transport) == "mooncake":
@@ -230,27 +276,15 @@ class Phases:
             transport = "shm" if same_host and decode.transport == "shm" else "tcp"
         elif transport != "tcp" and not same_host:
             transport = "tcp"
-        req.phase = "prefill"
-        req.phase_deadline = time.monotonic() + self.cfg.phase_timeout_s
-        p.kv_transports[transport] = p.kv_transports.get(transport, 0) + 1
-        self.placement.prefill_started(req.wire_id, time.monotonic())
-        mooncake = transport == "mooncake"
-        msg = m.PrefillRequest(
-            req.wire_id,
-            req.ids,
-            params_to_wire(req.params),
-            decode.worker_id,
-            decode.kv_address,
-            transport,
-            decode.shm_path if transport == "shm" else "",
-            ready.offset,
-            ready.nbytes,
-            stream_layers=self.cfg.stream_layers,
-            peer_address=decode.mooncake_address if mooncake else "",
-            peer_base=decode.arena_addr if mooncake else 0,
-        )
-        if not self._send(p, msg):
-            self._retry(req, f"prefill worker {p.worker_id} is unreachable")
+        return transport
+
+    def _group_prefix(self, req: RouterRequest, legs: list[Worker]) -> int:
+        """The cached prefix (tokens) every stage of a group holds, by their block events: the
+        first stage reuses at most that much, and every later stage then starts where it did
+        (a stage lacking it fails the attempt, which is placed again)."""
+        bs = self.cfg.block_size
+        hashes = hash_blocks(req.ids, bs)
+        return bs * min(self.members.prefix_blocks(p.worker_id, hashes) for p in legs)
 
     # -- endings ----------------------------------------------------------------------------
 
@@ -265,7 +299,7 @@ class Phases:
         self._place(req)
 
     def _abort_legs(self, req: RouterRequest) -> None:
-        for wid in (req.prefill, req.decode):
+        for wid in (*req.legs, req.decode):
             w = self.members.reachable(wid)
             if w is not None and not self._send(w, m.Abort(req.wire_id)):
                 # Its connection is down (a partition the heartbeats have not shown yet): the
@@ -274,6 +308,7 @@ class Phases:
                 if len(w.abandoned) < MAX_ABANDONED:
                     w.abandoned.append(req.wire_id)
         req.prefill = req.decode = ""
+        req.legs = ()
 
     def _fail(self, req: RouterRequest, exc: BaseException) -> None:
         self.placement.finished(req.wire_id, time.monotonic())

@@ -40,8 +40,9 @@ class RouterRequest:
     choices: list[Choice]
     metrics: RequestMetrics
     phase: str = "new"  # one of PHASES
-    prefill: str = ""
+    prefill: str = ""  # the prefill unit: a worker, or a group (``group:NAME``)
     decode: str = ""
+    legs: tuple[str, ...] = ()  # the prefill unit's workers, in stage order (one alone)
     attempts: int = 0
     phase_deadline: float = 0.0
     wire_id: str = ""  # the id workers know this attempt by: request id / attempt

@@ -206,9 +206,15 @@ class Router:
             self._grammar_compiler.close()
 
     def wait_for_workers(
-        self, prefill: int, decode: int, timeout: float, check: Callable[[], None] | None = None
+        self,
+        prefill: int,
+        decode: int,
+        timeout: float,
+        check: Callable[[], None] | None = None,
+        groups: int = 0,
     ) -> None:
-        """Block until that many workers of each role are up (launcher, tests), and then until
+        """Block until that many workers of each role (and prefill groups, every stage
+        registered) are up (launcher, tests), and then until
         the prefill workers answered their shared-memory probes (at most PROBE_WAIT_S more;
         unproven pairs use TCP). ``check`` is called on every poll and may raise to end the
         wait (the launcher's: a child exited)."""
@@ -217,7 +223,11 @@ class Router:
             if check is not None:
                 check()
             m_ = self._members
-            if m_.count_up("prefill") >= prefill and m_.count_up("decode") >= decode:
+            if (
+                m_.count_up("prefill") >= prefill
+                and m_.count_up("decode") >= decode
+                and m_.count_groups_up() >= groups
+            ):
                 probe_deadline = min(deadline, time.monotonic() + PROBE_WAIT_S)
                 while m_.probes_pending() and time.monotonic() < probe_deadline:
                     time.sleep(0.02)
