@@ -14,6 +14,9 @@ Socket roles (fixed):
 - prefill PUSH -> decode PULL (KV): ``KVLayer`` (the layer's bytes as one raw frame over TCP;
   no frame over shared memory, where they already lie in the decode worker's staging area),
   ``KVDone`` (first tokens and sampler state; one raw frame per seeded generator), ``KVAbort``.
+- stage i PUSH -> stage i+1 PULL (hidden states): ``StageHidden``, ``StageAbort`` (a prefill
+  group's chunked pipeline: a chunk's hidden states after stage i's layers,
+  engine/cluster/worker/stage_link.py).
 
 Wire form (engine/ipc/codec.py): frame 0 is ``{"t": TYPE, field: value, ...}``; frames 1.. are
 the message's ``frames``. A field with a default may be left out. ``decode`` checks everything a
@@ -289,6 +292,33 @@ class KVAbort(Message, kind="kv_abort"):
     reason: str
 
 
+# -- hidden states: pipeline stage i -> stage i+1 ------------------------------------------------
+
+
+class StageHidden(Message, kind="stage_hidden"):
+    """Rows [start, end) of a request's hidden states after the sending stage's layers: one raw
+    frame follows, the rows' bytes ([end - start, hidden_size] in the model's dtype, C order),
+    whose ``checksum`` is staging.checksum of that frame (the KV path's). A request's first frame
+    may start at s0 > 0 (the first stage found tokens [0, s0) in its prefix cache); rows before
+    the first frame's start are never sent. Rows may be sent again (a recompute on the stage
+    before): the receiver keeps the first copy."""
+
+    request_id: str
+    start: int
+    end: int
+    checksum: int
+
+    def expected_frames(self) -> int:
+        return 1
+
+
+class StageAbort(Message, kind="stage_abort"):
+    """The stage before gave up on the request (``reason`` says why): no more rows come."""
+
+    request_id: str
+    reason: str
+
+
 # -- blocks: prefill -> prefill ---------------------------------------------------------------
 
 
@@ -331,6 +361,8 @@ MESSAGES: dict[str, type[Message]] = {
         KVDone,
         KVAbort,
         BlockData,
+        StageHidden,
+        StageAbort,
     )
 }
 

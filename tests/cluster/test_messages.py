@@ -65,6 +65,8 @@ SAMPLES = [
     m.ShmReach("p0", "d0"),
     m.DecodeRequest("r1", [1], {}, 30.0, sender_pid=4, sender_local=True),
     m.CopyDone("r1", "p1", 0, error="block data checksum mismatch"),
+    m.StageHidden("r1", 16, 32, 0xFEEDFACECAFEBEEF, frames=(b"\x03" * 64,)),
+    m.StageAbort("r1", "stage 0 failed: out of memory"),
 ]
 
 
@@ -116,6 +118,10 @@ def header(**fields) -> bytes:
                 )
             ],
             "expected 2 data frame",
+        ),
+        (
+            [header(t="stage_hidden", request_id="r", start=0, end=1, checksum=0)],
+            "expected 1 data frame",
         ),
         (
             [
