@@ -18,6 +18,7 @@ import zmq
 
 from engine.cluster import messages as m
 from engine.cluster.worker.stage_link import HiddenReceiver, HiddenSender, row_bytes
+from engine.ipc import curve
 from engine.kv_connector.staging import checksum
 
 H = 8  # hidden size
@@ -41,6 +42,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def ctx():
     c = zmq.Context()
     yield c
+    curve.stop_authenticator(c)  # when a test configured keys
     done = threading.Event()  # term returns only once every socket of the context is closed
 
     def term():
@@ -392,3 +394,21 @@ def test_close_stops_every_thread_and_socket(ctx):
     with pytest.raises(RuntimeError):
         tx.send("r", rx.address, 0, 4, torch.randn(4, H))
     # The ctx fixture's term() returns only if every socket, the sender's too, was closed.
+
+
+def test_over_curve_only_authenticated_stages_get_rows_through(ctx, parts, tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINE_CURVE_KEYS", str(curve.generate_keys(str(tmp_path / "k")).directory))
+    rx = receiver(parts)
+    tx = parts(HiddenSender)
+    data = torch.randn(8, H)
+    rx.expect("r", 8, DEADLINE_S)
+    rogue = raw_push(ctx, rx.address)  # no keys: its handshake never completes
+    try:
+        rogue.send_multipart(hidden_frames("r", 0, 8, torch.zeros(8, H)), flags=zmq.NOBLOCK)
+        tx.send("r", rx.address, 0, 4, data[:4])
+        tx.send("r", rx.address, 4, 8, data[4:])
+        wait_for(lambda: rx.ready("r") == 8, "the authenticated rows")
+    finally:
+        rogue.close(linger=0)
+    assert same_bytes(rx.rows("r", 0, 8), data)
+    assert rx.counters["frames"] == 2
