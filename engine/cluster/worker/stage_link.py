@@ -301,7 +301,6 @@ class HiddenReceiver:
         dtype: torch.dtype,
         wake: Callable[[], None] | None = None,
         max_bytes: int = 1 << 30,
-        max_events: int = 4096,
     ) -> None:
         if hidden_size < 1 or max_bytes < 1:
             raise ValueError(f"hidden_size ({hidden_size}) and max_bytes must be >= 1")
@@ -310,7 +309,6 @@ class HiddenReceiver:
         self.row_nbytes = hidden_size * torch.empty((), dtype=dtype).element_size()
         self.max_bytes = max_bytes
         self._wake = wake or (lambda: None)
-        self._max_events = max_events
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._used = 0
@@ -318,7 +316,9 @@ class HiddenReceiver:
         self._early_frames = 0
         self._early_bytes = 0
         self._released: OrderedDict[str, None] = OrderedDict()
-        self._events: OrderedDict[str, None] = OrderedDict()  # request ids, once each
+        # Request ids whose state changed, once each: expected requests only (release drops its
+        # own), so it never holds more than num_requests and nothing is ever dropped.
+        self._events: OrderedDict[str, None] = OrderedDict()
         self.counters = {
             "frames": 0,  # frames handled (bad or good), for tests and /health
             "bad_frames": 0,  # did not decode or were no stage message: dropped
@@ -469,12 +469,18 @@ class HiddenReceiver:
                 if not poller.poll(POLL_MS):
                     continue
                 frames = self._sock.recv_multipart(copy=False)
+            except Exception:
+                log.exception("error receiving a hidden-state message")
+                self._stop.wait(POLL_MS / 1000)  # not a hot loop if it persists
+                continue
+            try:
                 self._take([f.buffer for f in frames])
             except Exception:  # never let one message stop the receiver
                 log.exception("error handling a hidden-state message")
+            finally:
+                self.counters["frames"] += 1  # handled: its effects are visible
 
     def _take(self, frames: list) -> None:
-        self.counters["frames"] += 1
         try:
             msg = m.decode(frames[:1], check_frames=False)
         except m.MessageError as exc:
@@ -559,11 +565,6 @@ class HiddenReceiver:
 
     def _event(self, rid: str) -> None:
         """Lock held: tell the worker (once per id until it drains ``events``)."""
-        if rid in self._events:
-            return
-        if len(self._events) >= self._max_events:
-            log.error("hidden-state event queue full; %s is seen at its next change", rid)
-            return
         self._events[rid] = None
 
     def _hold_early(self, rid: str, msg: m.Message, problem: str | None, nbytes: int) -> None:
