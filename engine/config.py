@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from engine import cpu_isa
+from engine.model.stages import WHOLE_MODEL, PipelineStage
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -225,8 +226,18 @@ class EngineConfig:
     # CUDA: run decode-only steps eagerly instead of through the CUDA graphs captured per batch
     # size at start-up (engine/core/cuda_graphs.py). No effect on CPU, which never uses graphs.
     enforce_eager: bool = False
+    # One stage of a chunked prefill pipeline (engine/model/stages.py): the engine holds only
+    # the stage's layers and their KV, and runs with a StageIO (engine/core/stage_io.py).
+    stage: PipelineStage = WHOLE_MODEL
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stage, PipelineStage):
+            raise ValueError(f"stage must be a PipelineStage, got {self.stage!r}")
+        if self.kv_pool is not None and not self.stage.is_whole:
+            raise ValueError(
+                f"pipeline stages run without a KV pool (stage {self.stage}, "
+                f"kv_pool {self.kv_pool!r})"
+            )
         if self.kv_pool is not None:
             from engine.kvstore.spec import parse_pool_spec
 

@@ -48,11 +48,13 @@ def plan_cache(
     dtype: torch.dtype,
     device: torch.device,
     baseline: MemoryBaseline | None = None,
+    num_layers: int | None = None,
 ) -> CachePlan:
     """The cache's size from the config, the model and the memory there is (on CUDA measured
     now, after the weights loaded, against ``baseline``, taken before: see kv_budget.py);
     ValueError when ``max_model_len`` exceeds the model's positions or the cache would be too
-    small. Logs what it chose and what it lowered."""
+    small. Logs what it chose and what it lowered. ``num_layers``: the layers the cache holds
+    (by default the model's; a pipeline stage's own), which a block's bytes count."""
     max_len = config.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         raise ValueError(
@@ -60,7 +62,7 @@ def plan_cache(
             f"({model.max_position_embeddings})"
         )
     cc = config.cache
-    per_block = bytes_per_block(model, cc.block_size, dtype)
+    per_block = bytes_per_block(model, cc.block_size, dtype, num_layers)
     given = config.max_model_len is not None
     if cc.num_blocks is not None:
         num_blocks = cc.num_blocks

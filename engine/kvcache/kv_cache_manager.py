@@ -55,13 +55,16 @@ class KVCacheManager:
             )
         return hashes
 
-    def find_prefix(self, req: CacheableRequest) -> PrefixHit:
-        """Longest run of cached blocks at the start of req. At least one token is always left
-        to compute, since the last prompt position must run to produce logits."""
+    def find_prefix(self, req: CacheableRequest, max_tokens: int | None = None) -> PrefixHit:
+        """Longest run of cached blocks at the start of req, of at most ``max_tokens`` tokens
+        (whole blocks) when given. At least one token is always left to compute, since the last
+        prompt position must run to produce logits."""
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         bs = self.block_size
         max_blocks = (len(req.all_token_ids) - 1) // bs
+        if max_tokens is not None:
+            max_blocks = min(max_blocks, max(0, max_tokens) // bs)
         blocks: list[int] = []
         for i, h in enumerate(self.block_hashes(req)[:max_blocks]):
             block = self.pool.lookup(h, req.all_token_ids[i * bs : (i + 1) * bs])

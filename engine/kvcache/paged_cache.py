@@ -10,9 +10,14 @@ import torch
 from engine.config import ModelConfig
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(
+    model: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
+    """One block's bytes over ``num_layers`` layers (by default the model's; a pipeline stage's
+    cache holds only its own layers)."""
+    layers = model.num_layers if num_layers is None else num_layers
     elem = torch.empty((), dtype=dtype).element_size()
-    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * elem
+    return layers * 2 * block_size * model.num_kv_heads * model.head_dim * elem
 
 
 class PagedKVCache:
