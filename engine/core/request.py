@@ -51,6 +51,15 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.skip_kv_connector = False  # a load from the connector failed: recompute instead
+        # Pipeline stages (engine/core/stage_io.py). ``ready_tokens``: the prompt tokens whose
+        # stage inputs (the stage before's hidden states) are here, None: all; the scheduler
+        # never runs the request past it, and the caller raises it as inputs arrive.
+        # ``prefix_tokens``: use at most this many tokens of a device prefix-cache hit (whole
+        # blocks); with ``prefix_exact`` the request must start at exactly that many cached
+        # tokens (else it ends at admission: "abort", stop reason "prefix_missing").
+        self.ready_tokens: int | None = None
+        self.prefix_tokens: int | None = None
+        self.prefix_exact = False
         self.status = RequestStatus.WAITING
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # Filled by position as prefill chunks run (a recompute after preemption rewrites the

@@ -11,6 +11,13 @@ With a KV connector (the tiered pool, or a decode worker's receiver), admission 
 continuation of the device-cache hit; those tokens are loaded into blocks allocated for them while
 the request waits in ``loading`` (not scheduled, holding its blocks), and it rejoins the front of
 the queue when the load ends. A load that fails recomputes what did not arrive.
+
+Pipeline stages (engine/core/stage_io.py): a request runs no further than its ``ready_tokens``
+(the prompt tokens whose inputs are here); one with nothing ready is passed over, running or
+waiting, without holding up the others. ``prefill_only`` (every stage): nothing past the prompt is
+scheduled. ``prefix_tokens`` caps the device prefix hit; with ``prefix_exact`` a fresh admission
+(also a re-admission after preemption) must hit exactly that many tokens, or the request ends at
+once ("abort", stop reason PREFIX_MISSING) and is listed in the step's ``ended``.
 """
 
 from __future__ import annotations
@@ -27,15 +34,23 @@ from engine.kvcache.kv_cache_manager import KVCacheManager
 log = logging.getLogger(__name__)
 
 
+PREFIX_MISSING = "prefix_missing"  # stop reason: prefix_exact found fewer cached tokens
+
+
 class QueueFullError(RuntimeError):
     """The admission queue is full; the caller should retry later (HTTP 429)."""
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        connector: KVConnector | None = None,
+        prefill_only: bool = False,
     ) -> None:
         self.config = config
+        self.prefill_only = prefill_only
         self.kv = kv
         self.connector = connector
         self.waiting: deque[Request] = deque()
@@ -94,7 +109,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
+            num = min(self._limit(req) - req.num_computed_tokens, budget, chunk_cap)
+            if num <= 0:
+                i += 1  # nothing ready (a pipeline stage): the others still run
+                continue
             while not self.kv.allocate(req, num):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -113,28 +131,40 @@ class Scheduler:
         # also leaves a small watermark of free blocks for the running requests to grow into,
         # so that a request is not admitted only to be preempted (and recomputed) steps later.
         reserve = self.watermark_blocks if self.running else 0
-        while self.waiting and budget > 0 and not out.preempted:
+        idx = 0  # the queue's first request that is not passed over (nothing ready)
+        while idx < len(self.waiting) and budget > 0 and not out.preempted:
             if len(self.running) >= cfg.max_num_seqs:
                 break
-            req = self.waiting[0]
+            req = self.waiting[idx]
             fresh = req.num_computed_tokens == 0 and req.request_id not in self.kv.block_tables
+            exact = fresh and req.prefix_exact
+            if not exact and self._limit(req) <= req.num_computed_tokens:
+                idx += 1  # nothing ready: it stays waiting, the others may go
+                continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             reuse = fresh and req.prompt_logprobs is None
-            hit = self.kv.find_prefix(req) if reuse else None
+            hit = self.kv.find_prefix(req, req.prefix_tokens) if reuse else None
             cached = hit.num_tokens if hit else 0
+            if exact and cached != req.prefix_tokens:  # told at once, ready or not
+                self.finish(req, "abort", PREFIX_MISSING)  # nothing allocated yet
+                out.ended.append(req)
+                continue
             if reuse and self.connector is not None and not req.skip_kv_connector:
                 hashes = self.kv.block_hashes(req)
                 external = self.connector.lookup(req, hashes, cached)
                 if external > 0:
                     if not self.kv.allocate(req, external, hit, reserve=reserve):
                         break
-                    self.waiting.popleft()
+                    del self.waiting[idx]
                     self._start_load(req, cached, external)
                     continue
-            num = min(req.num_tokens - req.num_computed_tokens - cached, budget, chunk_cap)
+            num = min(self._limit(req) - req.num_computed_tokens - cached, budget, chunk_cap)
+            if num <= 0:
+                idx += 1  # nothing ready past its prefix hit: it stays waiting
+                continue
             if not self.kv.allocate(req, num, hit, reserve=reserve):
                 break
-            self.waiting.popleft()
+            del self.waiting[idx]
             req.num_computed_tokens += cached
             if req.metrics.first_scheduled_time is None and fresh:
                 req.metrics.num_cached_tokens = cached
@@ -147,6 +177,12 @@ class Scheduler:
 
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
         return out
+
+    def _limit(self, req: Request) -> int:
+        """The tokens of req that may have run by the end of this step: all of them, or only
+        the prompt (``prefill_only``), and no more than its ``ready_tokens``."""
+        end = req.num_prompt_tokens if self.prefill_only else req.num_tokens
+        return end if req.ready_tokens is None else min(end, req.ready_tokens)
 
     def _start_load(self, req: Request, cached: int, external: int) -> None:
         """req holds blocks for its device hit and the external tokens; the connector fills the

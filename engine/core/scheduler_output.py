@@ -25,6 +25,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Requests the scheduler ended itself this step (finished already, blocks freed): a
+    # pipeline stage's prefix_exact request whose prefix was missing.
+    ended: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

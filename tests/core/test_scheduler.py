@@ -158,3 +158,63 @@ def test_random_add_abort_step_keeps_integrity(ops):
     run(sched, finished)
     assert sorted(finished + aborted) == sorted(added)  # nothing lost, nothing twice
     assert kv.pool.check_integrity().used == 0
+
+
+# -- pipeline stages: ready_tokens, prefix_tokens / prefix_exact, prefill_only --------------
+
+
+def cached_prefix(sched: Scheduler, prompt: list[int]) -> None:
+    """Run ``prompt`` to the end once, so that its full blocks are in the prefix cache."""
+    done: list[str] = []
+    sched.add_request(make("warm", prompt, max_tokens=1))
+    run(sched, done)
+
+
+def test_prefix_tokens_caps_the_hit_to_whole_blocks():
+    kv = KVCacheManager(32, 16)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=4), kv)
+    prompt = list(range(80))
+    cached_prefix(sched, prompt)
+    req = make("r", prompt)
+    req.prefix_tokens = 40  # floored to 32
+    sched.add_request(req)
+    (s,) = sched.schedule().scheduled
+    assert req.num_computed_tokens == 32 and s.num_tokens == 48
+    assert req.metrics.num_cached_tokens == 32
+
+
+def test_prefix_exact_is_checked_again_after_a_preemption():
+    kv = KVCacheManager(32, 16)
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4), kv, prefill_only=True
+    )
+    prompt = list(range(64))
+    cached_prefix(sched, prompt)
+    req = make("r", prompt)
+    req.prefix_tokens, req.prefix_exact, req.ready_tokens = 32, True, 48
+    sched.add_request(req)
+    out = sched.schedule()
+    assert [(s.request, s.num_tokens) for s in out.scheduled] == [(req, 16)]
+    sched.update_after_step(out)
+    assert req.num_computed_tokens == 48
+    assert sched.schedule().empty  # running, nothing ready: skipped
+    sched._preempt(req)
+    kv.pool.evict_all_cached()  # the prefix it must start at is gone
+    out = sched.schedule()
+    assert out.empty and out.ended == [req]
+    assert req.finish_reason == "abort" and req.stop_reason == "prefix_missing"
+    assert not kv.block_tables and kv.pool.num_free == kv.num_blocks
+    kv.check_integrity()
+
+
+def test_prefill_only_never_schedules_past_the_prompt():
+    kv = KVCacheManager(8, 16)
+    sched = Scheduler(SchedulerConfig(), kv, prefill_only=True)
+    req = make("r", list(range(20)))
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_after_step(out)
+    req.append_token(7)  # the last stage sampled the first token
+    assert sched.schedule().empty and req in sched.running
+    sched.finish(req, "handed_over")
+    assert kv.pool.num_free == kv.num_blocks
