@@ -5,6 +5,7 @@ Not thread-safe: one thread owns it (the embedded LLM, or the loop thread of Asy
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -30,6 +31,7 @@ from engine.core.request import Request
 from engine.core.sampler import Sampler, SamplingBatch, make_generator
 from engine.core.scheduler import QueueFullError, Scheduler
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.stage_io import StageIO
 from engine.core.stop_conditions import StopResult, check_stop, safe_text_len
 from engine.core.validation import cap_for_tests, validate_prompt
 from engine.kernels.variants import ModelShape
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("engine")
 
 HANDED_OVER = "handed_over"  # finish reason of a choice that goes on in another engine
+STAGE_DONE = "stage_done"  # finish reason on a pipeline stage short of the last: prompt ran
 
 ConnectorFactory = Callable[[PagedKVCache, KVConnector | None], KVConnector]
 """Builds the connector an engine uses from its paged cache (``cache.kv``, ``cache.block_size``)
@@ -80,16 +83,37 @@ class LLMEngine:
     """``connector_factory`` and ``block_listener`` are the engine's two seams, given at
     construction: the KV connector its scheduler and step loop share (see ConnectorFactory; by
     default the KV pool's connector from ``config.kv_pool``, or none) and the listener the block
-    pool tells ("stored" | "removed", block hash) as prefix blocks are named and dropped."""
+    pool tells ("stored" | "removed", block hash) as prefix blocks are named and dropped.
+
+    ``config.stage`` short of the whole model: the engine is one stage of a chunked prefill
+    pipeline (engine/model/stages.py). It holds the stage's layers and their KV only, takes its
+    input hidden states from and hands its output ones to ``stage_io`` (required then; see
+    engine/core/stage_io.py for the protocol), never runs past a prompt, and has no KV connector.
+    A stage short of the last finishes a request with finish reason STAGE_DONE once its prompt
+    ran; the last stage samples the first token as the whole model does."""
 
     def __init__(
         self,
         config: EngineConfig | None = None,
         connector_factory: ConnectorFactory | None = None,
         block_listener: BlockListener | None = None,
+        stage_io: StageIO | None = None,
     ) -> None:
         config = config or EngineConfig()
         self.config = config
+        self.stage = config.stage
+        if not self.stage.is_whole:
+            if stage_io is None:
+                raise ValueError(
+                    f"stage_io is required for pipeline stage {self.stage} (a StageIO: "
+                    "engine/core/stage_io.py)"
+                )
+            if connector_factory is not None:
+                raise ValueError(
+                    f"pipeline stages run without a KV connector (stage {self.stage} was given "
+                    "a connector_factory)"
+                )
+        self.stage_io = stage_io
         cap = envs.test_max_tokens()  # a bad value fails here, at start-up
         if cap is not None:
             logger.warning(
@@ -109,6 +133,7 @@ class LLMEngine:
             self.device,
             show_progress=config.show_progress,
             use_cache=config.weight_cache,
+            stage=config.stage,
         )
         self.model_config = built.config
         self.tokenizer = built.tokenizer
@@ -116,10 +141,11 @@ class LLMEngine:
         self.weight_cache_hit = built.cache_hit
         model = self.model = built.model
         del built
-        plan = plan_cache(config, self.model_config, self.dtype, self.device, baseline)
+        layers = len(model.layers)  # a stage's cache holds its own layers only
+        plan = plan_cache(config, self.model_config, self.dtype, self.device, baseline, layers)
         cc, num_blocks = plan.cache, plan.num_blocks
         self.cache = PagedKVCache(
-            self.model_config, num_blocks, cc.block_size, self.dtype, self.device
+            self.model_config, num_blocks, cc.block_size, self.dtype, self.device, layers
         )
         self.kv = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, listener=block_listener
@@ -134,7 +160,9 @@ class LLMEngine:
         if connector_factory is not None:
             self.connector = connector_factory(self.cache, self.connector)
         self.max_model_len = plan.max_model_len
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.connector)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, self.connector, prefill_only=not self.stage.is_whole
+        )
         self.runner = ModelRunner(
             model,
             self.cache,
@@ -171,6 +199,8 @@ class LLMEngine:
         logger.info("warm-up: %d Triton kernel variants compiled in %.1f s", count, seconds)
         if self.config.enforce_eager:
             logger.info("CUDA graphs off (enforce_eager): decode steps run eagerly")
+        elif not self.stage.is_whole:
+            logger.info("CUDA graphs off on pipeline stage %s: stages only prefill", self.stage)
         elif self.runner.compiled:
             logger.info("CUDA graphs off under compile: decode steps run eagerly")
         else:
@@ -219,6 +249,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field and the limit; changes nothing."""
         validate_prompt(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        if params.prompt_logprobs is not None and not self.stage.is_whole:
+            raise ValueError("prompt_logprobs are not served by pipeline stages")
 
     def add_request(
         self,
@@ -228,9 +260,22 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         prompt_text: str | None = None,
+        ready_tokens: int | None = None,
+        prefix_tokens: int | None = None,
+        prefix_exact: bool = False,
     ) -> str:
-        """Queue a request (text, or token ids with optional prompt_text for the record)."""
+        """Queue a request (text, or token ids with optional prompt_text for the record).
+
+        Pipeline stages (engine/core/stage_io.py), set on every choice's Request:
+        ``ready_tokens``: the prompt tokens whose stage inputs are here (None: all), raised
+        later with set_ready_tokens; ``prefix_tokens``: use at most this many tokens of the
+        device prefix-cache hit (floored to whole blocks); ``prefix_exact``: start at exactly
+        ``prefix_tokens`` cached tokens (a multiple of the block size), or end at admission with
+        finish reason "abort", stop reason "prefix_missing" (so too when re-admitted after a
+        preemption). A stage short of the last runs one sequence whatever ``params.n`` is."""
         params = params or SamplingParams()
+        if not self.stage.is_last and params.n > 1:
+            params = dataclasses.replace(params, n=1)  # it never samples: one prompt pass
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -238,6 +283,7 @@ class LLMEngine:
                 raise ValueError("prompt token ids must be a list of integers")
             text, ids = prompt_text, list(prompt)
         self.validate(ids, params)
+        self._validate_stage_fields(len(ids), ready_tokens, prefix_tokens, prefix_exact)
         params = cap_for_tests(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._parents:
@@ -270,6 +316,9 @@ class LLMEngine:
                 child.grammar = SequenceGrammar(grammar)
             if i > 0:
                 child.prompt_logprobs = None  # one child computes them for all (same prompt)
+            child.ready_tokens = ready_tokens
+            child.prefix_tokens = prefix_tokens
+            child.prefix_exact = prefix_exact
             children.append(child)
         added = []
         try:
@@ -316,6 +365,35 @@ class LLMEngine:
             self._pending.append(self._make_output(parent, final=True))
         return live
 
+    def _validate_stage_fields(
+        self, num_prompt: int, ready: int | None, prefix: int | None, exact: bool
+    ) -> None:
+        for name, value in (("ready_tokens", ready), ("prefix_tokens", prefix)):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
+                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+        if ready is not None and ready > num_prompt:
+            raise ValueError(f"ready_tokens ({ready}) must be <= the prompt's {num_prompt} tokens")
+        if exact:
+            bs = self.cache.block_size
+            if prefix is None or prefix % bs or prefix >= num_prompt:
+                raise ValueError(
+                    "prefix_exact needs prefix_tokens, a multiple of the block size "
+                    f"({bs}) shorter than the prompt ({num_prompt} tokens), got {prefix!r}"
+                )
+
+    def set_ready_tokens(self, request_id: str, ready_tokens: int) -> bool:
+        """A pipeline stage's request has its inputs for its first ``ready_tokens`` prompt
+        tokens now (every choice). Call between steps; False for an unknown id."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return False
+        self._validate_stage_fields(len(parent.prompt_token_ids), ready_tokens, None, False)
+        for child in parent.children:
+            child.ready_tokens = ready_tokens
+        return True
+
     def requests_of(self, request_id: str) -> list[Request]:
         """The engine requests (one per choice) of a request in flight; [] once it ended."""
         parent = self._parents.get(request_id)
@@ -360,6 +438,10 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        if sched.ended:  # a stage's prefix_exact request whose prefix was missing
+            for req in sched.ended:
+                self._count_finished(req)
+            outputs.extend(self._outputs_of(sched.ended))
         if sched.empty:
             if self.scheduler.loading and not outputs:
                 self.connector.wait(0.01)  # only loads in flight: do not spin
@@ -373,15 +455,19 @@ class LLMEngine:
                     self.metrics.queue_time.observe(now - m.arrival_time)
         inputs = self.runner.prepare(sched.scheduled, self.kv.block_tables)
         t1 = step_clock(self.device)
-        wanted = rows_wanted(inputs.order, [s.num_tokens for s in inputs.order])
+        hidden_in = None if self.stage.is_first else self._stage_inputs(inputs.order)
         hook = layer_hook(self.connector, self.layer_hook, inputs, self.kv)
+        if not self.stage.is_last:
+            return outputs + self._stage_step(sched, inputs, hook, hidden_in, t0, t1)
+        wanted = rows_wanted(inputs.order, [s.num_tokens for s in inputs.order])
         if wanted:
-            step = self.runner.execute_with_hidden(inputs, hook)
+            step = self.runner.execute_with_hidden(inputs, hook, hidden=hidden_in)
             logits = step.logits
             fill_prompt_logprobs(wanted, step.hidden, self.model.compute_logits, self._token_text)
             del step
         else:
-            logits = self.runner.execute(inputs, hook)
+            logits = self.runner.execute(inputs, hook, hidden=hidden_in)
+        del hidden_in
         t2 = step_clock(self.device)
         sampling = [s.request for s in inputs.order if s.samples]
         grammars = [r.grammar for r in sampling]
@@ -406,18 +492,68 @@ class LLMEngine:
             save_new_blocks(self.connector, self.kv, sched)
         self.num_steps += 1
         now = time.monotonic()
-        moved: dict[str, _Parent] = {}
         for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
             self._append(req, token, lp, now)
+        outputs.extend(self._outputs_of(sampling))
+        self.step_times.add(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        return outputs
+
+    def _outputs_of(self, moved: Sequence[Request]) -> list[RequestOutput]:
+        """The outputs of the requests whose choices in ``moved`` moved (or ended), each once;
+        a request whose choices all ended gives its final output and is gone."""
+        parents: dict[str, _Parent] = {}
+        for req in moved:
             parent = self._parents.get(_parent_id(req))
             if parent is not None:
-                moved[parent.request_id] = parent
-        for parent in moved.values():
+                parents[parent.request_id] = parent
+        outputs = []
+        for parent in parents.values():
             done = all(c.is_finished for c in parent.children)
             outputs.append(self._make_output(parent, final=done))
             if done:
                 del self._parents[parent.request_id]
-        self.step_times.add(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        return outputs
+
+    def _stage_inputs(self, order: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """A later pipeline stage's input rows from its StageIO, checked against the step."""
+        assert self.stage_io is not None
+        hidden = self.stage_io.inputs(order)
+        rows = sum(s.num_tokens for s in order)
+        want = (rows, self.model_config.hidden_size)
+        if tuple(hidden.shape) != want or hidden.dtype != self.dtype:
+            raise RuntimeError(
+                f"StageIO.inputs gave {tuple(hidden.shape)} {hidden.dtype} hidden states, the "
+                f"step of stage {self.stage} needs {want} {self.dtype}"
+            )
+        return hidden.to(self.device)
+
+    def _stage_step(
+        self,
+        sched: SchedulerOutput,
+        inputs,
+        hook: LayerHook | None,
+        hidden_in: torch.Tensor | None,
+        t0: float,
+        t1: float,
+    ) -> list[RequestOutput]:
+        """The rest of a step on a pipeline stage short of the last: no logits, no sampling;
+        the hidden states go to the StageIO, and the requests whose prompt ran end STAGE_DONE
+        (their full blocks stay in the prefix cache)."""
+        assert self.stage_io is not None
+        hidden = self.runner.execute_hidden(inputs, hook, hidden_in)
+        del hidden_in
+        self.stage_io.outputs(inputs.order, hidden)
+        del hidden
+        t2 = step_clock(self.device)
+        done = [s.request for s in inputs.order if s.samples]  # before the counts advance
+        self._account_computed(sched)
+        self.scheduler.update_after_step(sched)
+        self.num_steps += 1
+        for req in done:
+            self.scheduler.finish(req, STAGE_DONE)
+            self._count_finished(req)
+        outputs = self._outputs_of(done)
+        self.step_times.add(t1 - t0, t2 - t1, 0.0, time.perf_counter() - t2)
         return outputs
 
     def _token_text(self, token_id: int) -> str:
@@ -508,7 +644,10 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """float32 logits at every position of ``token_ids`` [T, V], computed through the paged
         cache in chunks of ``chunk_size`` tokens (all at once by default). For tests and prompt
-        logprobs; runs outside the scheduler, so call it only while the engine is idle."""
+        logprobs; runs outside the scheduler, so call it only while the engine is idle. Only on
+        the whole model (ValueError on a pipeline stage)."""
+        if not self.stage.is_whole:
+            raise ValueError(f"prompt_logits needs the whole model, not stage {self.stage}")
         self.validate(token_ids, SamplingParams(max_tokens=1))
         req = Request(f"logits-{next(self._ids)}", token_ids, SamplingParams(), None)
         chunk = chunk_size or len(token_ids)

@@ -200,31 +200,53 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         layer_hook: LayerHook | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] of one flat batch."""
-        return self.model(input_ids, positions, meta, layer_hook)
+        """Final hidden states [T, hidden] of one flat batch. A pipeline stage after the first
+        takes the stage before's hidden states (``hidden``, [T, hidden]) and no ``input_ids``
+        (None); a stage short of the last returns its last layer's output, un-normed."""
+        return self.model(input_ids, positions, meta, layer_hook, hidden=hidden)
 
     @torch.inference_mode()
     def execute(
-        self, inputs: StepInputs, layer_hook: LayerHook | None = None, all_logits: bool = False
+        self,
+        inputs: StepInputs,
+        layer_hook: LayerHook | None = None,
+        all_logits: bool = False,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs the forward. Returns float32 logits of the sampling rows [S, V], or of every row
-        when ``all_logits``."""
-        return self.execute_with_hidden(inputs, layer_hook, all_logits).logits
+        when ``all_logits``. ``hidden``: a later pipeline stage's input rows (see forward)."""
+        return self.execute_with_hidden(inputs, layer_hook, all_logits, hidden).logits
 
     @torch.inference_mode()
     def execute_with_hidden(
-        self, inputs: StepInputs, layer_hook: LayerHook | None = None, all_logits: bool = False
+        self,
+        inputs: StepInputs,
+        layer_hook: LayerHook | None = None,
+        all_logits: bool = False,
+        hidden: torch.Tensor | None = None,
     ) -> StepResult:
         """``execute``, also handing back the final hidden states of every row [T, hidden]
         (prompt logprobs turn the rows of prefill chunks into logits)."""
-        if inputs.graph_bucket is not None and layer_hook is None:
+        out = self.execute_hidden(inputs, layer_hook, hidden)
+        rows = out if all_logits else out[inputs.sample_indices]
+        return StepResult(self.model.compute_logits(rows).float(), out)
+
+    @torch.inference_mode()
+    def execute_hidden(
+        self,
+        inputs: StepInputs,
+        layer_hook: LayerHook | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The forward's hidden states [T, hidden] and no logits (a pipeline stage short of the
+        last hands them on). ``hidden``: a later stage's input rows (see forward)."""
+        if inputs.graph_bucket is not None and layer_hook is None and hidden is None:
             assert self.graphs is not None
-            hidden = self.graphs.replay(inputs.graph_bucket, len(inputs.order))
-        else:
-            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta, layer_hook)
-        rows = hidden if all_logits else hidden[inputs.sample_indices]
-        return StepResult(self.model.compute_logits(rows).float(), hidden)
+            return self.graphs.replay(inputs.graph_bucket, len(inputs.order))
+        ids = inputs.input_ids if hidden is None else None
+        return self.forward(ids, inputs.positions, inputs.meta, layer_hook, hidden)
 
 
 def keep_freed_memory() -> None:
