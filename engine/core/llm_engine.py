@@ -24,7 +24,7 @@ from engine.core.connector_calls import layer_hook, save_new_blocks
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.device_memory import MemoryBaseline, select_device
 from engine.core.metrics import EngineMetrics, MetricsSnapshot, StepTimes
-from engine.core.model_runner import ModelRunner
+from engine.core.model_runner import ModelRunner, StepInputs
 from engine.core.output_builder import build_output
 from engine.core.prompt_logprobs import fill_prompt_logprobs, rows_wanted
 from engine.core.request import Request
@@ -530,7 +530,7 @@ class LLMEngine:
     def _stage_step(
         self,
         sched: SchedulerOutput,
-        inputs,
+        inputs: StepInputs,
         hook: LayerHook | None,
         hidden_in: torch.Tensor | None,
         t0: float,
