@@ -218,3 +218,19 @@ def test_prefill_only_never_schedules_past_the_prompt():
     assert sched.schedule().empty and req in sched.running
     sched.finish(req, "handed_over")
     assert kv.pool.num_free == kv.num_blocks
+
+
+def test_a_waiting_request_with_nothing_ready_does_not_hold_up_the_queue():
+    kv = KVCacheManager(16, 16)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, prefill_only=True)
+    stuck, ready = make("stuck", list(range(40))), make("ready", list(range(100, 120)))
+    stuck.ready_tokens = 0
+    sched.add_request(stuck)
+    sched.add_request(ready)
+    out = sched.schedule()
+    assert [(s.request, s.num_tokens) for s in out.scheduled] == [(ready, 20)]
+    assert list(sched.waiting) == [stuck] and "stuck" not in kv.block_tables
+    sched.update_after_step(out)
+    stuck.ready_tokens = 24
+    (s,) = sched.schedule().scheduled
+    assert (s.request, s.num_tokens) == (stuck, 24)

@@ -291,6 +291,24 @@ def whole_prefix(whole):
 # -- the stage seam's rules -----------------------------------------------------------------
 
 
+def test_the_last_stage_stops_at_the_first_token_until_handed_over(pipe2, prompts):
+    pipe2.reset()
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    rid = pipe2.add(prompts["short"], params)
+    first, last = pipe2.engines
+    for _ in range(3):
+        pipe2.step_all()
+    (req,) = last.requests_of(rid)
+    assert req.num_output_tokens == 1 and not req.is_finished  # no decode on a stage
+    assert last.step() == []
+    assert last.hand_over(rid)
+    (out,) = last.step()
+    assert out.finished and out.outputs[0].finish_reason == "handed_over"
+    assert len(out.outputs[0].token_ids) == 1
+    for engine in pipe2.engines:
+        all_free(engine)
+
+
 def test_a_missing_prefix_ends_the_request_and_frees_everything(pipe2, prompts):
     pipe2.reset()
     last = pipe2.engines[1]
