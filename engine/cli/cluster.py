@@ -34,6 +34,18 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
         "copies (prefill), Mooncake's Transfer Engine",
     )
     w.add_argument("--kv-staging-mb", type=int, default=1024, help="decode: KV staging arena")
+    w.add_argument(
+        "--group",
+        default="",
+        metavar="NAME",
+        help="prefill: a stage of the pipelined prefill group NAME (with --stage)",
+    )
+    w.add_argument(
+        "--stage",
+        default=None,
+        metavar="I/N",
+        help="prefill: stage I (from 0) of the group's N; it loads only its layers",
+    )
     _worker_options(w)
     w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     w.set_defaults(func=cmd_worker)
@@ -54,8 +66,18 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
 
     c = subparsers.add_parser("cluster", help="router + N prefill + M decode workers, one host")
     engine_args_fn(c)
-    c.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    c.add_argument(
+        "--prefill", type=int, default=1, help="prefill workers alone (0 with --prefill-groups)"
+    )
     c.add_argument("--decode", type=int, default=1, help="decode workers")
+    c.add_argument(
+        "--prefill-groups",
+        type=int,
+        default=0,
+        metavar="G",
+        help="pipelined prefill groups (chunked pipeline parallelism), each of --stages workers",
+    )
+    c.add_argument("--stages", type=int, default=2, metavar="N", help="stages per prefill group")
     c.add_argument("--kv-staging-mb", type=int, default=1024)
     c.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to register")
     c.add_argument(
@@ -142,8 +164,14 @@ def _logging(level: str) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from engine.cluster.worker.worker import WorkerConfig, run_worker
+    from engine.model.stages import WHOLE_MODEL, PipelineStage
 
     _logging(args.log_level)
+    try:
+        stage = PipelineStage.parse(args.stage) if args.stage is not None else WHOLE_MODEL
+    except ValueError as e:
+        print(f"error: --stage: {e}", file=sys.stderr)
+        return 2
     cfg = WorkerConfig(
         role=args.role,
         router=args.router,
@@ -155,6 +183,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         staging_mb=args.kv_staging_mb,
         threads=args.threads,
         mooncake_metadata=args.mooncake_metadata,
+        group=args.group,
+        stage=stage,
     )
     return run_worker(cfg)
 
@@ -253,6 +283,9 @@ def worker_gpus(args: argparse.Namespace, visible_gpus: int) -> dict[str, list[s
         args.device,
         args.gpu_memory_utilization,
         args.gpus,
+        stage_ids=[
+            f"group-{g}-stage-{i}" for g in range(args.prefill_groups) for i in range(args.stages)
+        ],
     )
 
 
@@ -278,7 +311,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             threads=args.threads,
             start_timeout=args.worker_timeout,
             pool_service=args.pool_service,
+            prefill_groups=args.prefill_groups,
+            stages=args.stages,
         )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ChildExited, TimeoutError) as e:
         print(f"error: engine cluster did not start: {e}", file=sys.stderr)
         return 1

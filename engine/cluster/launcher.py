@@ -85,24 +85,36 @@ class Cluster:
         start_timeout: float = 300.0,
         pool_service: str | None = None,
         worker_gpus: dict[str, list[str]] | None = None,
+        prefill_groups: int = 0,
+        stages: int = 2,
     ) -> None:
         """pool_service: "dram=SIZE[,ssd=PATH:SIZE]": one pool service for the host (``engine pool
         serve``), which every worker uses as its KV pool (``--kv-pool tcp://...``).
         worker_gpus: options added to a worker's command line by worker id (its ``--device
         cuda:I --gpu-memory-utilization U``: engine/cluster/gpu_placement.py), kept for its
-        restarts."""
+        restarts.
+        prefill_groups: pipelined prefill groups of ``stages`` workers each (``group-G`` of
+        workers ``group-G-stage-I``), beside the ``prefill`` workers alone."""
         from dataclasses import replace
 
         from engine.cluster.router.router import Router, RouterConfig
 
-        if prefill < 1 or decode < 1:
-            raise ValueError(f"--prefill and --decode must be >= 1, got {prefill} and {decode}")
+        if prefill < 0 or decode < 1 or prefill_groups < 0:
+            raise ValueError(
+                f"--prefill and --prefill-groups must be >= 0 and --decode >= 1, got "
+                f"{prefill}, {prefill_groups} and {decode}"
+            )
+        if prefill + prefill_groups < 1:
+            raise ValueError("a cluster needs --prefill >= 1 or --prefill-groups >= 1")
+        if prefill_groups and not 2 <= stages <= 64:
+            raise ValueError(f"--stages must be in [2, 64], got {stages}")
         cfg = router_config or RouterConfig()
         if cfg.address.endswith(":0"):
             cfg = replace(cfg, address=f"tcp://127.0.0.1:{free_port()}")
         self.router = Router(cfg)
         self.worker_args = list(worker_args or [])
         self.worker_gpus = dict(worker_gpus or {})
+        self.stage_args: dict[str, list[str]] = {}  # a group's stage: --group, --stage
         self.kv_transport = kv_transport
         self.threads = threads
         self.env = env
@@ -118,9 +130,16 @@ class Cluster:
                 self.worker_args += ["--kv-pool", self.pool_address]
             for i in range(prefill):
                 self.start_worker("prefill", f"prefill-{i}")
+            for g in range(prefill_groups):
+                for i in range(stages):
+                    wid = f"group-{g}-stage-{i}"  # (cli/cluster.py's worker_gpus names it too)
+                    self.stage_args[wid] = ["--group", f"group-{g}", "--stage", f"{i}/{stages}"]
+                    self.start_worker("prefill", wid)
             for i in range(decode):
                 self.start_worker("decode", f"decode-{i}")
-            self.router.wait_for_workers(prefill, decode, start_timeout, check=self.check_children)
+            self.router.wait_for_workers(
+                prefill, decode, start_timeout, check=self.check_children, groups=prefill_groups
+            )
         except BaseException:
             self.stop()
             raise
@@ -177,6 +196,7 @@ class Cluster:
             str(self.threads),
             *self.worker_args,
             *self.worker_gpus.get(worker_id, []),
+            *self.stage_args.get(worker_id, []),
         ]
 
     def start_worker(self, role: str, worker_id: str) -> subprocess.Popen:

@@ -96,6 +96,7 @@ class Heartbeat(Message, kind="heartbeat"):
     step_s: float = 0.0
     step_batch: float = 0.0
     step_tokens: float = 0.0
+    hidden_bytes_sent: int = 0  # a group's stage: hidden-state bytes sent to the next stage
 
 
 class Goodbye(Message, kind="goodbye"):

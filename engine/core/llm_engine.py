@@ -88,7 +88,8 @@ class LLMEngine:
     ``config.stage`` short of the whole model: the engine is one stage of a chunked prefill
     pipeline (engine/model/stages.py). It holds the stage's layers and their KV only, takes its
     input hidden states from and hands its output ones to ``stage_io`` (required then; see
-    engine/core/stage_io.py for the protocol), never runs past a prompt, and has no KV connector.
+    engine/core/stage_io.py for the protocol) and never runs past a prompt; its connector (a
+    cluster stage's KV sender) gets ``save_layer`` calls with global layer indices.
     A stage short of the last finishes a request with finish reason STAGE_DONE once its prompt
     ran; the last stage samples the first token as the whole model does."""
 
@@ -107,11 +108,6 @@ class LLMEngine:
                 raise ValueError(
                     f"stage_io is required for pipeline stage {self.stage} (a StageIO: "
                     "engine/core/stage_io.py)"
-                )
-            if connector_factory is not None:
-                raise ValueError(
-                    f"pipeline stages run without a KV connector (stage {self.stage} was given "
-                    "a connector_factory)"
                 )
         self.stage_io = stage_io
         cap = envs.test_max_tokens()  # a bad value fails here, at start-up
@@ -145,7 +141,13 @@ class LLMEngine:
         plan = plan_cache(config, self.model_config, self.dtype, self.device, baseline, layers)
         cc, num_blocks = plan.cache, plan.num_blocks
         self.cache = PagedKVCache(
-            self.model_config, num_blocks, cc.block_size, self.dtype, self.device, layers
+            self.model_config,
+            num_blocks,
+            cc.block_size,
+            self.dtype,
+            self.device,
+            layers,
+            first_layer=model.layer_range.start,
         )
         self.kv = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, listener=block_listener

@@ -86,16 +86,27 @@ class KVSender(WrapsPool):
         max_queue: int = 1024,
         mooncake=None,
         copier: HostCopier | None = None,
+        layers: range | None = None,
+        model_layers: int | None = None,
     ) -> None:
-        """copier: how KV reaches host memory (default: the one for the cache's device)."""
+        """copier: how KV reaches host memory (default: the one for the cache's device).
+        ``layers``: the model's layers this cache holds, by global index (a pipeline stage's
+        range; default: all of kv_cache's), of ``model_layers`` in the whole model (the decode
+        worker's staging layout; default: as many as the cache holds). KVLayer messages and
+        ``save_layer`` calls name layers by global index."""
         self.kv = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.copier = make_copier(kv_cache.device) if copier is None else copier
         self.block_size = block_size
         self.inner = inner
         self.mooncake = mooncake  # a MooncakeEndpoint, for --kv-transport mooncake
         self.send_timeout = send_timeout
-        layers, _, blocks, bs, heads, dim = kv_cache.shape
-        self.num_layers = layers
+        held, _, blocks, bs, heads, dim = kv_cache.shape
+        self.layers = range(held) if layers is None else layers
+        if len(self.layers) != held:
+            raise ValueError(f"layers {self.layers} do not match the cache's {held} layers")
+        self.num_layers = model_layers or self.layers.stop  # the whole model's
+        if self.layers.stop > self.num_layers:
+            raise ValueError(f"layers {self.layers} exceed the model's {self.num_layers}")
         self.token_bytes = heads * dim * kv_cache.element_size()
         self._targets: dict[str, SendTarget] = {}  # by request id
         self._following: dict[str, SendTarget] = {}  # by followed engine request id
@@ -153,12 +164,12 @@ class KVSender(WrapsPool):
             if not t.stream_layers:
                 t.pending_table = s.block_table  # type: ignore[attr-defined]
                 continue
-            if layer == self.num_layers - 1 and upto == t.layout.num_tokens:
+            if layer == self.layers[-1] and upto == t.layout.num_tokens:
                 t.last_layer_time = time.monotonic()  # the prefill's last layer just ended
             self._send_range(t, layer, s.block_table, upto)
 
     def _send_all_layers(self, t: SendTarget, table: Sequence[int]) -> None:
-        for layer in range(self.num_layers):
+        for layer in self.layers:
             self._send_range(t, layer, table, t.layout.num_tokens)
         t.last_layer_time = time.monotonic()
 
@@ -168,7 +179,7 @@ class KVSender(WrapsPool):
         if upto <= start:
             return
         table_t = self.copier.index(table)
-        layer_kv = self.kv[layer]  # [2, blocks, block_size, heads, dim]
+        layer_kv = self.kv[layer - self.layers.start]  # [2, blocks, block_size, heads, dim]
 
         def gather(kv: int) -> Callable[[torch.Tensor], None]:
             return lambda out: gather_tokens(layer_kv[kv], table_t, start, upto, out)

@@ -32,12 +32,18 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         num_layers: int | None = None,
+        first_layer: int = 0,
     ) -> None:
         """``num_layers``: the layers the cache serves, by default the model's (a pipeline
-        stage's cache has its own layers': len(stage_model.layers))."""
+        stage's cache has its own layers': len(stage_model.layers)), from global layer
+        ``first_layer`` on: ``kv[i]`` is the model's layer ``layers[i]``."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         layers = model.num_layers if num_layers is None else num_layers
+        self.layers = range(first_layer, first_layer + layers)  # global indices
+        self.model_layers = model.num_layers
+        if self.layers.stop > model.num_layers:
+            raise ValueError(f"layers {self.layers} exceed the model's {model.num_layers}")
         shape = (layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv = lazy_zeros(shape, dtype, device)
 

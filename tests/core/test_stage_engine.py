@@ -424,10 +424,6 @@ def test_stage_settings_are_checked(pipe2):
         EngineConfig(stage=PipelineStage(0, 2), kv_pool="dram=1GiB")
     with pytest.raises(ValueError, match="stage_io is required for pipeline stage 1/2"):
         LLMEngine(config(PipelineStage(1, 2)))
-    with pytest.raises(ValueError, match="without a KV connector"):
-        LLMEngine(
-            config(PipelineStage(1, 2)), connector_factory=lambda *_: None, stage_io=pipe2.ios[1]
-        )
     for engine in pipe2.engines:
         with pytest.raises(ValueError, match="prompt_logprobs are not served by pipeline stages"):
             engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=1))

@@ -383,6 +383,7 @@ class Membership:
             if w.group:
                 out[w.worker_id]["group"] = w.group
                 out[w.worker_id]["stage"] = f"{w.stage}/{w.stages}"
+                out[w.worker_id]["hidden_bytes_sent"] = hb.hidden_bytes_sent if hb else 0
             if w.role == "prefill":  # which decode workers it reaches by shared memory
                 out[w.worker_id]["shm_peers"] = sorted(w.shm_peers)
                 out[w.worker_id]["kv_transports"] = dict(w.kv_transports)

@@ -126,6 +126,8 @@ class PrefillRole:
             p.num_cached_tokens,
             [c.first for c in caps],
             frames=states,
+            layer_start=self.sender.layers.start,  # all of them, but a pipeline stage's
+            layer_end=self.sender.layers.stop,
         )
         t = self.sender.finish(p.request_id, done)
         if t:

@@ -34,6 +34,7 @@ from engine.ipc import curve
 from engine.ipc.liveness import watch_peer
 from engine.kv_connector import shm_proof
 from engine.kvstore.block_events import EVENT_KEYS, BlockEvent
+from engine.model.stages import WHOLE_MODEL, PipelineStage
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,27 @@ class WorkerConfig:
     heartbeat_s: float = 0.5
     threads: int = 1  # torch threads (several workers share a host's cores)
     mooncake_metadata: str = "P2PHANDSHAKE"  # Mooncake's metadata service, for mooncake
+    # A stage of a pipelined prefill group (stage_role.py): the group's name and this stage
+    # (``--group NAME --stage I/N``); "" and the whole model for a prefill worker alone.
+    group: str = ""
+    stage: PipelineStage = WHOLE_MODEL
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not isinstance(self.stage, PipelineStage):
+            raise ValueError(f"stage must be a PipelineStage, got {self.stage!r}")
+        if bool(self.group) != (self.stage.count > 1):
+            raise ValueError(
+                "a prefill group's worker needs both --group NAME and --stage I/N (N >= 2), "
+                f"got group {self.group!r} and stage {self.stage}"
+            )
+        if self.group and self.role != "prefill":
+            raise ValueError(f"only prefill workers form groups, not {self.role!r}")
+        if self.group and not (0 < len(self.group) <= 64 and self.group.isprintable()):
+            raise ValueError(f"group must be a name of 1 to 64 characters, got {self.group!r}")
+        if self.group and self.engine.kv_pool:
+            raise ValueError("prefill groups run without a KV pool (--kv-pool)")
         if not self.router.startswith("tcp://"):
             raise ValueError(f"router must be a tcp:// address, got {self.router!r}")
         if self.transport not in TRANSPORTS:
@@ -105,15 +123,34 @@ class Worker:
         self.arena_addr = 0
         self.copier = None  # prefill: block copies to and from other prefill workers
         self.step_stats = StepStats()  # decode: step times for the router's Conductor
+        self.link = None  # a group's stage: the hidden-state link to its neighbours
+        engine_cfg = cfg.engine
+        if cfg.group:
+            from dataclasses import replace
+
+            from engine.cluster.worker.stage_role import LinkIO
+
+            self.link = LinkIO(cfg.stage)
+            engine_cfg = replace(engine_cfg, stage=cfg.stage)
         # The engine's seams: its connector (the sender or receiver, wrapping the KV pool's
-        # connector the engine builds) and the block pool's listener (block events published).
+        # connector the engine builds), the block pool's listener (block events published) and,
+        # on a group's stage, its hidden-state link.
         self.engine = LLMEngine(
-            cfg.engine,
+            engine_cfg,
             connector_factory=self._make_connector,
             block_listener=lambda kind, key: self._block_events.append((kind, key)),
+            stage_io=self.link,
         )
         self.namespace = _namespace_hex(self.engine)
-        if cfg.role == "prefill":
+        if self.link is not None:
+            from engine.cluster.worker.stage_role import StageRole
+
+            e = self.engine
+            self.link.start(self.ctx, f"tcp://{cfg.kv_host}:0", e.model_config.hidden_size,
+                            e.dtype, self._wake)  # fmt: skip
+            self.role = StageRole(e, self.sender, self.link, self.worker_id, self._emit)
+            self.kv_address, self.shm_path = "", ""
+        elif cfg.role == "prefill":
             from engine.cluster.worker.block_copy import BlockCopier
             from engine.cluster.worker.roles import PrefillRole
 
@@ -144,7 +181,14 @@ class Worker:
         if cfg.role == "prefill":
             from engine.kv_connector.sender import KVSender
 
-            self.sender = KVSender(cache.kv, cache.block_size, inner=inner, mooncake=self.mooncake)
+            self.sender = KVSender(
+                cache.kv,
+                cache.block_size,
+                inner=inner,
+                mooncake=self.mooncake,
+                layers=cache.layers,  # a stage's own layers of the model's
+                model_layers=cache.model_layers,
+            )
             return self.sender
         from engine.kv_connector.receiver import KVReceiver
         from engine.kv_connector.staging import StagingArena
@@ -200,7 +244,18 @@ class Worker:
             copy_address=self.copier.address if self.copier is not None else "",
             shm_digest=self.arena_nonce.digest if self.arena_nonce is not None else "",
             pid_ns=shm_proof.pid_namespace(),
+            group=self.cfg.group,
+            stage=self.cfg.stage.index,
+            stages=self.cfg.stage.count,
+            chunk_tokens=self._chunk_tokens() if self.cfg.group else 0,
+            hidden_address=self.link.address if self.link is not None else "",
         )
+
+    def _chunk_tokens(self) -> int:
+        """A group's chunk: its stages' prefill budget per step (the long-prefill threshold
+        when it is set, else max_num_batched_tokens)."""
+        sc = self.engine.scheduler.config
+        return sc.long_prefill_token_threshold or sc.max_num_batched_tokens
 
     def _heartbeat_loop(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -230,6 +285,7 @@ class Worker:
                     step_s=st.step_s,
                     step_batch=st.batch,
                     step_tokens=st.tokens,
+                    hidden_bytes_sent=self._hidden_bytes_sent(),
                 )
                 try:
                     sock.send_multipart(m.encode(hb), zmq.NOBLOCK)
@@ -237,6 +293,10 @@ class Worker:
                     pass  # the router is away; it will see us late or not at all
         finally:
             sock.close(linger=0)
+
+    def _hidden_bytes_sent(self) -> int:
+        sender = self.link.sender if self.link is not None else None
+        return sender.counters["bytes_sent"] if sender is not None else 0
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -284,6 +344,8 @@ class Worker:
                     if now >= next_check:
                         next_check = now + 0.1
                         self.role.check_deadlines()
+                if self.link is not None:
+                    self._take_hidden()
                 if self.engine.has_unfinished_requests():
                     self._step()
                 if time.monotonic() >= next_register:  # a restarted router learns of us
@@ -354,6 +416,13 @@ class Worker:
                 return
             self.role.on_transfer(rid)
 
+    def _take_hidden(self) -> None:
+        """A stage: hidden states that came (or failed), deadlines, failed sends onwards."""
+        if self.link.receiver is not None:
+            for rid in self.link.receiver.events():
+                self.role.on_hidden(rid)
+        self.role.check_link(time.monotonic())
+
     def _publish_block_events(self) -> None:
         """Stored/removed block hashes since the last call, in runs of one kind."""
         events, self._block_events = self._block_events, []
@@ -395,6 +464,8 @@ class Worker:
             self.arena_nonce.close()
         if self.copier is not None:
             self.copier.close()
+        if self.link is not None:
+            self.link.close()
         self._wake_pull.close(linger=0)
         self._pub.close(linger=0)
 
