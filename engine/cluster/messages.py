@@ -87,7 +87,7 @@ class Heartbeat(Message, kind="heartbeat"):
     waiting: int
     kv_usage: float
     used_blocks: int
-    staging_used: int  # bytes of the staging arena held by transfers (decode)
+    staging_used: int  # bytes held for transfers in: KV staging (decode), hidden states (a stage)
     transfers: int  # transfers in flight (decode: receiving; prefill: sending)
     finished: dict = field(default_factory=dict)  # its engine's finished requests by reason
     # Decode steps since the last heartbeat: how many, their mean seconds, running requests and
@@ -183,6 +183,11 @@ class DecodeRequest(_PromptRequest, kind="decode_request"):
     # KVDone messages that end the transfer: 1 from a single prefill worker, one per stage from
     # a prefill group (each sends its own layers).
     senders: int = 1
+    # A group's stages in order (sender_pid is then 0): each one's pid where the router proved
+    # it shares this worker's /dev/shm and pid namespace (watched: a released staging area is
+    # freed once every stage that may write into it is done or gone), -1 where it is elsewhere
+    # (it sends frames), 0 unknown.
+    stage_pids: list[int] = field(default_factory=list)
 
 
 class PrefillRequest(_PromptRequest, kind="prefill_request"):
@@ -287,10 +292,12 @@ class KVDone(Message, kind="kv_done"):
 
 
 class KVAbort(Message, kind="kv_abort"):
-    """The prefill worker gave up sending the request's KV (``reason`` says why)."""
+    """The prefill worker gave up sending the request's KV (``reason`` says why); a stage of a
+    group names its first layer (as its KVDone would), which tells the stages apart."""
 
     request_id: str
     reason: str
+    layer_start: int = 0
 
 
 # -- hidden states: pipeline stage i -> stage i+1 ------------------------------------------------

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from engine.kv_connector.base import KVConnector, LoadDone, WrapsPool
 from engine.kv_connector.device_copy import HostCopier, make_copier
 from engine.kv_connector.staging import KVLayout, StagingArena, checksum, scatter_tokens
 from engine.kv_connector.transfer_state import Transfer
+from engine.model.stages import PipelineStage
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class KVReceiver(WrapsPool):
         sender_pid: int = 0,
         sender_local: bool = True,
         senders: int = 1,
+        stage_pids: Sequence[int] = (),
     ) -> Transfer:
         """Reserve staging for a request's prompt KV; MemoryError when the arena is full.
         sender_pid: the prefill worker the router placed the request on (0: not told, then a
@@ -121,9 +123,12 @@ class KVReceiver(WrapsPool):
         it shares this process's /dev/shm and pid namespace (the router proved it,
         shm_proof.py), so its pid is watched; else it is elsewhere and sends frames. senders:
         the KVDone messages that end the transfer (a prefill group: one per stage, each for its
-        own layers)."""
+        own layers). stage_pids: a group's stages in order, each one's pid where it is local
+        (watched, as sender_pid is), -1 where it is elsewhere, 0 unknown."""
         if not 1 <= senders <= self.num_layers:
             raise ValueError(f"senders must be in [1, {self.num_layers}], got {senders}")
+        if stage_pids and len(stage_pids) != senders:
+            raise ValueError(f"stage_pids must name {senders} stages, got {len(stage_pids)}")
         layout = KVLayout(self.num_layers, num_tokens, self.token_bytes)
         with self._lock:
             if request_id in self._transfers:
@@ -151,6 +156,15 @@ class KVReceiver(WrapsPool):
                     # Gone already, it will never write (no PrefillRequest).
                     t.writer = t.sender
                     t.may_write = t.writer is not None
+            if stage_pids and self.local_writers:
+                for i, pid in enumerate(stage_pids):
+                    start = PipelineStage(i, senders).layer_range(self.num_layers).start
+                    if pid == 0:
+                        t.writers[start] = None  # unknown: it may write until it is done
+                    elif pid > 0 and (w := identify(pid)) is not None:
+                        t.writers[start] = w  # watched; gone already, it never writes
+                    # -1: elsewhere, it sends frames
+                t.may_write = bool(t.writers)
             self._transfers[request_id] = t
             self.counters["transfers"] += 1
             return t
@@ -197,6 +211,11 @@ class KVReceiver(WrapsPool):
             return False
         if t.inline:
             return False  # TCP: this side copies the frames; late ones are dropped
+        if t.writers:  # a group: a stage not done whose process may be alive
+            return any(
+                start not in t.reported_by and (w is None or not is_gone(w))
+                for start, w in t.writers.items()
+            )
         if t.writer is None:
             return True  # not told who sends (Mooncake, or an older router): wait
         if is_gone(t.writer):
@@ -423,6 +442,7 @@ class KVReceiver(WrapsPool):
                 return  # unknown or forgotten: late data is dropped
             if isinstance(msg, (m.KVDone, m.KVAbort)):
                 t.reported += 1
+                t.reported_by.add(msg.layer_start)
                 t.sender_done = t.reported >= t.senders
                 if t.sender_done and t.released_at is not None:
                     self._free(t)  # quarantine over: the sender writes no more

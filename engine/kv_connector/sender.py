@@ -145,7 +145,8 @@ class KVSender(WrapsPool):
         t = self._targets.pop(request_id, None)
         if t is not None:
             self._following.pop(t.follow, None)
-            self._put(t, ("msg", t, m.encode(m.KVAbort(request_id, reason))))
+            abort = m.KVAbort(request_id, reason, layer_start=self.layers.start)
+            self._put(t, ("msg", t, m.encode(abort)))
 
     @property
     def num_transfers(self) -> int:
@@ -257,7 +258,8 @@ class KVSender(WrapsPool):
         self.counters["failed_transfers"] += 1
         log.warning("KV transfer of %s failed: %s", t.request_id, reason)
         if tell:
-            abort = m.encode(m.KVAbort(t.request_id, f"send failed: {reason}"))
+            why = f"send failed: {reason}"
+            abort = m.encode(m.KVAbort(t.request_id, why, layer_start=self.layers.start))
             try:
                 self._queue.put_nowait(("abort", t, abort))
             except queue.Full:

@@ -35,6 +35,11 @@ class Transfer:
     writer: ProcessId | None = None  # shm: the prefill process that may write into the area
     sender: ProcessId | None = None  # the prefill process on this host that sends the KV
     may_write: bool = True  # False: no process can write into the area (gone, or off-host)
+    # A group's stages by their first layer: the process that may write into the area (None:
+    # unknown, so it may), or absent where the stage is elsewhere; and which stages said
+    # KVDone or KVAbort.
+    writers: dict[int, ProcessId | None] = field(default_factory=dict)
+    reported_by: set[int] = field(default_factory=set)
 
     @property
     def ok(self) -> bool:

@@ -29,14 +29,16 @@ WORDS = " ".join(f"word{i}" for i in range(150))  # ~450 tokens: seven chunks
 
 
 def requests() -> list[dict]:
-    """Completion bodies in order: one chunk greedy, many chunks seeded and greedy, then a prompt
-    sharing the long one's first 110 words (~330 tokens, whole blocks of it cached)."""
+    """Completion bodies in order: one chunk greedy, many chunks seeded and greedy, a prompt
+    sharing the long one's first 110 words (~330 tokens, whole blocks of it cached), and one
+    whose only token is the first (the last stage's hand-over with nothing to decode)."""
     short = "The capital of France is"
     long = WORDS
     shared = " ".join(WORDS.split()[:110]) + " and then the story goes on"
     greedy = {"temperature": 0, "max_tokens": 8, "logprobs": 3}
     seeded = {"temperature": 0.9, "top_p": 0.95, "seed": 7, "max_tokens": 8, "logprobs": 3}
-    bodies = [(short, greedy), (long, seeded), (long, greedy), (shared, seeded)]
+    one = {"temperature": 0, "max_tokens": 1, "logprobs": 3}  # ends at the first token
+    bodies = [(short, greedy), (long, seeded), (long, greedy), (shared, seeded), (long, one)]
     return [{"model": "default", "prompt": p, **sp} for p, sp in bodies]
 
 

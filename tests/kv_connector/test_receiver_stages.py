@@ -5,6 +5,9 @@ transfer with a reason that names it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -99,6 +102,53 @@ def test_one_stage_aborting_fails_the_transfer_and_the_area_waits_for_the_other(
         assert arena.used > 0  # the other stage may still be writing into the area
         send_layers(rx, arena, t, [], 0, False, done=done(0, 2))
         wait_freed(arena)
+    finally:
+        rx.close()
+        arena.close()
+
+
+@pytest.mark.parametrize("ending", ["killed", "done"])
+def test_a_released_area_waits_for_every_local_stage_to_be_done_or_gone(ending):
+    """stage_pids: each stage's process is watched; the area is freed once every stage that may
+    write into it said KVDone/KVAbort or died (a SIGKILLed stage never says either)."""
+    kv, arena, rx = synthetic("shm")
+    stage1 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        t = rx.expect("r", 10, 30.0, senders=2, stage_pids=[os.getpid(), stage1.pid])
+        assert set(t.writers) == {0, 2}  # stage 0 holds layers 0-1, stage 1 layer 2
+        rx.release("r")
+        send_layers(rx, arena, t, [], 0, False, done=m.KVAbort("r", "aborted", layer_start=0))
+        reported(t, 1)
+        rx.expire(time.monotonic())
+        assert arena.used > 0  # stage 1 is alive and not done: it may still write
+        if ending == "killed":
+            stage1.kill()
+            stage1.wait(10)
+        else:
+            send_layers(rx, arena, t, [], 0, False, done=done(2, 3, FIRST))
+        deadline = time.monotonic() + 10
+        while arena.used and time.monotonic() < deadline:
+            rx.expire(time.monotonic())
+            time.sleep(0.02)
+        assert arena.used == 0
+    finally:
+        stage1.kill()
+        stage1.wait(10)
+        rx.close()
+        arena.close()
+
+
+def test_stages_elsewhere_or_gone_never_hold_a_released_area():
+    kv, arena, rx = synthetic("shm")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+    try:
+        t = rx.expect("r", 10, 30.0, senders=2, stage_pids=[-1, gone.pid])
+        assert not t.writers and not t.may_write
+        rx.release("r")
+        assert arena.used == 0  # freed at once
+        with pytest.raises(ValueError, match="stage_pids must name 2 stages"):
+            rx.expect("q", 10, 30.0, senders=2, stage_pids=[0])
     finally:
         rx.close()
         arena.close()

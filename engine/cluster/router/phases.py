@@ -201,16 +201,20 @@ class Phases:
         req.copy_wait = self._start_copies(req)
         # One sender: the decode worker may watch its pid where they share a kernel. A group
         # has one per stage (each sends its own layers); the router tells of a stage's death.
-        p = legs[0]
+        p, d = legs[0], self.members.workers[req.decode]
         alone = len(legs) == 1
+        req.shm_legs = tuple(shm_pairs.shares_memory(s, d) for s in legs)
         msg = m.DecodeRequest(
             req.wire_id,
             req.ids,
             params_to_wire(req.params),
             self.cfg.transfer_deadline_s,
-            sender_pid=p.pid if alone else 0,
-            sender_local=alone and shm_pairs.shares_pids(p, self.members.workers[req.decode]),
+            # (0 where it may write into the decode worker's memory but its pid cannot be
+            # watched there: the decode worker then waits for its KVDone or KVAbort)
+            sender_pid=p.pid if alone and _stage_pid(p, d) != 0 else 0,
+            sender_local=alone and shm_pairs.shares_pids(p, d),
             senders=len(legs),
+            stage_pids=[] if alone else [_stage_pid(s, d) for s in legs],
         )
         if not self._send(self.members.workers[req.decode], msg):
             self._retry(req, f"decode worker {req.decode} is unreachable")
@@ -243,6 +247,8 @@ class Phases:
         prefix = self._group_prefix(req, legs) if len(legs) > 1 else -1
         for i, p in enumerate(legs):
             transport = self._transport(p, decode)
+            if transport == "shm" and not (i < len(req.shm_legs) and req.shm_legs[i]):
+                transport = "tcp"  # the decode worker was told this leg sends frames
             p.kv_transports[transport] = p.kv_transports.get(transport, 0) + 1
             mooncake = transport == "mooncake"
             msg = m.PrefillRequest(
@@ -336,3 +342,11 @@ class Phases:
     def _forget(self, req: RouterRequest) -> None:
         self.requests.pop(req.request_id, None)
         self.wire.pop(req.wire_id, None)
+
+
+def _stage_pid(stage: Worker, decode: Worker) -> int:
+    """DecodeRequest.stage_pids' entry for one stage: its pid where the decode worker can watch
+    it, -1 where it cannot write into the decode worker's memory (it sends frames), else 0."""
+    if shm_pairs.shares_pids(stage, decode):
+        return stage.pid
+    return 0 if shm_pairs.shares_memory(stage, decode) else -1

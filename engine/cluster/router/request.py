@@ -43,6 +43,9 @@ class RouterRequest:
     prefill: str = ""  # the prefill unit: a worker, or a group (``group:NAME``)
     decode: str = ""
     legs: tuple[str, ...] = ()  # the prefill unit's workers, in stage order (one alone)
+    # per leg: it was proven to share the decode worker's /dev/shm when the decode worker was
+    # told who writes into its staging area (a proof that comes later does not count: TCP)
+    shm_legs: tuple[bool, ...] = ()
     attempts: int = 0
     phase_deadline: float = 0.0
     wire_id: str = ""  # the id workers know this attempt by: request id / attempt

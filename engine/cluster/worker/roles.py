@@ -202,7 +202,7 @@ class DecodeRole:
             deadline = min(max(msg.deadline_s, 0.1), self.deadline_cap_s)
             t = self.receiver.expect(
                 rid, len(msg.prompt_token_ids), deadline, msg.sender_pid, msg.sender_local,
-                msg.senders,
+                msg.senders, msg.stage_pids,
             )  # fmt: skip
         except (ValueError, TypeError, MemoryError) as exc:
             self.emit(m.DecodeReady(rid, 0, 0, error=str(exc)))

@@ -271,9 +271,9 @@ class StageRole(PrefillRole):
     def after_step(self, outputs) -> None:
         if self.stage.is_last:
             for rid, p in list(self.active.items()):  # a prefix this stage lacks, an abort
-                if all(c.is_finished for c in p.children) and not p.captured:
-                    self.active.pop(rid)
-                    self._fail(rid, _why_ended(p.children[0]))
+                ended = [c for c in p.children if c.is_finished and c.num_output_tokens == 0]
+                if ended:
+                    self._fail(rid, _why_ended(ended[0]))
             super().after_step(outputs)
             for rid in [r for r in self.held if r not in self.active and r not in self.waiting]:
                 self._drop(rid)  # handed over: its hidden states are not needed any more

@@ -278,7 +278,7 @@ class Worker:
                     len(e.scheduler.waiting) + len(e.scheduler.loading),
                     float(e.kv.usage()),
                     int(e.kv.pool.counts().used),
-                    self.arena.used if self.arena is not None else 0,
+                    self._staging_used(),
                     self.role.num_requests,
                     finished=finished,
                     steps=st.steps,
@@ -293,6 +293,13 @@ class Worker:
                     pass  # the router is away; it will see us late or not at all
         finally:
             sock.close(linger=0)
+
+    def _staging_used(self) -> int:
+        """Bytes held for transfers in: KV staging (decode), a stage's hidden-state rows."""
+        if self.arena is not None:
+            return self.arena.used
+        rx = self.link.receiver if self.link is not None else None
+        return rx.used_bytes if rx is not None else 0
 
     def _hidden_bytes_sent(self) -> int:
         sender = self.link.sender if self.link is not None else None
