@@ -73,16 +73,26 @@ def main() -> None:
     common = ["--dtype", args.dtype, "--kv-cache-memory-gb", "1", "--kv-staging-mb", "1024",
               "--max-model-len", "8192", "--log-level", "warning"]  # fmt: skip
     chunked = [*common, "--max-num-batched-tokens", str(args.chunk)]
-    router = RouterConfig(rejection="none")  # placement has one choice; no SLO refusal
+    # Placement has one choice; no refusal (--rejection none still refuses past the TTFT SLO).
+    router = RouterConfig(rejection="none", ttft_slo_s=1e6)
     rng = np.random.default_rng(7)
-    prompts = {s: [rng.integers(100, 40000, s).tolist() for _ in range(args.repeats)] for s in sizes}
+    prompts = {
+        s: [rng.integers(100, 40000, s).tolist() for _ in range(args.repeats)] for s in sizes
+    }
     times: dict[str, dict[int, list[float]]] = {"single": {}, "single@chunk": {}, "group": {}}
     traffic: dict[int, list[int]] = {}
     with (
         Cluster(1, 1, worker_args=common, router_config=router, threads=1) as single,
         Cluster(1, 1, worker_args=chunked, router_config=router, threads=1) as single_chunk,
-        Cluster(0, 1, worker_args=chunked, router_config=router, threads=1,
-                prefill_groups=1, stages=args.stages) as group,  # fmt: skip
+        Cluster(
+            0,
+            1,
+            worker_args=chunked,
+            router_config=router,
+            threads=1,
+            prefill_groups=1,
+            stages=args.stages,
+        ) as group,  # fmt: skip
     ):
         systems = {"single": single.router, "single@chunk": single_chunk.router,
                    "group": group.router}  # fmt: skip

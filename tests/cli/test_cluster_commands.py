@@ -160,3 +160,25 @@ def test_tool_call_parser_reaches_the_http_server(command, monkeypatch):
     for extra, want in (([], None), (["--tool-call-parser", "hermes"], "hermes")):
         assert _serve(object(), parser().parse_args(command + extra)) == 0
         assert seen["tool_call_parser"] == want
+
+
+def test_stage_options_are_checked_before_anything_starts(capsys):
+    """``engine worker --stage`` and ``engine cluster --prefill-groups`` refuse bad values with
+    the option named, before a model loads or a process starts."""
+    from engine.cli.main import main
+
+    worker = ["worker", "--role", "prefill", "--router", "tcp://127.0.0.1:1"]
+    assert main([*worker, "--group", "g", "--stage", "2"]) == 2
+    assert "--stage: a stage is written I/N" in capsys.readouterr().err
+    for extra, words in (
+        (["--stage", "0/2"], "needs both --group NAME and --stage I/N"),
+        (["--group", "g"], "needs both --group NAME and --stage I/N"),
+        (["--group", "g", "--stage", "0/2", "--kv-pool", "dram=64MiB"], "without a KV pool"),
+        (["--group", "g", "--stage", "1/2", "--role", "decode"], "only prefill workers form"),
+    ):
+        assert main([*worker, *extra]) == 2
+        assert words in capsys.readouterr().err
+    assert main(["cluster", "--prefill", "0", "--decode", "1"]) == 2
+    assert "--prefill >= 1 or --prefill-groups >= 1" in capsys.readouterr().err
+    assert main(["cluster", "--prefill-groups", "1", "--stages", "1"]) == 2
+    assert "--stages must be in [2, 64], got 1" in capsys.readouterr().err
