@@ -179,6 +179,9 @@ class Cluster:
                 raise err
 
     def worker_command(self, role: str, worker_id: str) -> list[str]:
+        args = self.worker_args
+        if worker_id in self.stage_args:  # a group's stage runs without a KV pool
+            args = _without(args, "--kv-pool")
         return [
             sys.executable,
             "-m",
@@ -194,7 +197,7 @@ class Cluster:
             self.kv_transport,
             "--threads",
             str(self.threads),
-            *self.worker_args,
+            *args,
             *self.worker_gpus.get(worker_id, []),
             *self.stage_args.get(worker_id, []),
         ]
@@ -246,3 +249,16 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _without(args: list[str], option: str) -> list[str]:
+    """``args`` less ``option`` and its value (either form: ``--opt V`` or ``--opt=V``)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out

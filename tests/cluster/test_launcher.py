@@ -98,3 +98,25 @@ def test_a_child_that_exits_at_start_up_fails_the_launch_at_once(bad, who, quote
     assert any(line.startswith("    ") and quoted in line for line in last), err
     _, alive = psutil.wait_procs(tagged(tag), timeout=10)
     assert not alive, f"left running: {alive}"
+
+
+def test_a_groups_stages_start_without_the_pool_the_other_workers_use():
+    """--pool-service (or --kv-pool) goes to every worker but a prefill group's stages, which run
+    without a KV pool (a stage refuses one at start)."""
+    from types import SimpleNamespace
+
+    from engine.cluster.launcher import Cluster
+
+    launcher = SimpleNamespace(
+        router=SimpleNamespace(address="tcp://127.0.0.1:1"),
+        kv_transport="shm",
+        threads=1,
+        worker_args=["--kv-pool", "tcp://127.0.0.1:2", "--dtype", "float32", "--kv-pool=x"],
+        worker_gpus={},
+        stage_args={"group-0-stage-1": ["--group", "group-0", "--stage", "1/2"]},
+    )
+    stage = Cluster.worker_command(launcher, "prefill", "group-0-stage-1")
+    alone = Cluster.worker_command(launcher, "prefill", "prefill-0")
+    assert "--kv-pool" not in stage and "--kv-pool=x" not in stage
+    assert stage[-6:] == ["--dtype", "float32", "--group", "group-0", "--stage", "1/2"]
+    assert alone[-5:] == ["--kv-pool", "tcp://127.0.0.1:2", "--dtype", "float32", "--kv-pool=x"]

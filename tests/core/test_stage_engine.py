@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from engines import run_all
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.cache_plan import plan_cache
@@ -181,16 +182,11 @@ def prompts(whole):
 def run_whole(
     engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, reset: bool = True
 ):
+    """The whole model's final outputs (tests/engines.py's run_all), from an empty prefix
+    cache unless ``reset`` is False."""
     if reset:
         engine.reset_prefix_cache()
-    rids = [engine.add_request(p, params) for p in prompts]
-    final = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                final[o.request_id] = o
-        engine.check_integrity()
-    return [final[r] for r in rids]
+    return run_all(engine, prompts, params)
 
 
 def same_first_tokens(got: RequestOutput, want: RequestOutput) -> None:

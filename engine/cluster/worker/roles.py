@@ -49,41 +49,52 @@ class PrefillRole:
         self.last_layer_times: dict[str, float] = {}  # request id -> when its last layer left
 
     def handle(self, msg: m.PrefillRequest) -> None:
-        rid = msg.request_id
         try:
             params = params_from_wire(msg.params)
-            self.engine.add_request(msg.prompt_token_ids, params, request_id=rid)
-        except QueueFullError as exc:
-            self.emit(m.RequestError(rid, self.worker_id, 429, str(exc)))
-            return
-        except GrammarBusyError as exc:  # too many structured-output compiles in flight
-            self.emit(m.RequestError(rid, self.worker_id, 503, str(exc)))
-            return
         except (ValueError, TypeError) as exc:
-            self.emit(m.RequestError(rid, self.worker_id, 400, str(exc)))
+            self.emit(m.RequestError(msg.request_id, self.worker_id, 400, str(exc)))
             return
-        reqs = self.engine.requests_of(rid)
+        reqs = self._admit(msg, params)
+        if reqs:
+            self.active[msg.request_id] = _Prefill(msg.request_id, reqs)
+
+    def _admit(self, msg: m.PrefillRequest, params: SamplingParams, **stage_fields) -> list:
+        """The request into the engine (a pipeline stage's request fields with it) and its KV
+        into the sender: its engine requests, or [] after telling the router why not."""
+        rid = msg.request_id
         layout = KVLayout(
             self.sender.num_layers, len(msg.prompt_token_ids), self.sender.token_bytes
         )
-        target = SendTarget(
-            rid,
-            reqs[0].request_id,
-            msg.kv_address,
-            msg.transport,
-            msg.shm_path,
-            msg.offset,
-            layout,
-            stream_layers=msg.stream_layers,
-            peer_address=msg.peer_address,
-            peer_base=msg.peer_base,
-        )
         if layout.nbytes != msg.nbytes:
-            self.engine.abort_request(rid)
             self.emit(m.RequestError(rid, self.worker_id, 500, "KV layouts differ"))
-            return
-        self.sender.add(target)
-        self.active[rid] = _Prefill(rid, reqs)
+            return []
+        try:
+            self.engine.add_request(msg.prompt_token_ids, params, request_id=rid, **stage_fields)
+        except QueueFullError as exc:
+            self.emit(m.RequestError(rid, self.worker_id, 429, str(exc)))
+            return []
+        except GrammarBusyError as exc:  # too many structured-output compiles in flight
+            self.emit(m.RequestError(rid, self.worker_id, 503, str(exc)))
+            return []
+        except (ValueError, TypeError) as exc:
+            self.emit(m.RequestError(rid, self.worker_id, 400, str(exc)))
+            return []
+        reqs = self.engine.requests_of(rid)
+        self.sender.add(
+            SendTarget(
+                rid,
+                reqs[0].request_id,
+                msg.kv_address,
+                msg.transport,
+                msg.shm_path,
+                msg.offset,
+                layout,
+                stream_layers=msg.stream_layers,
+                peer_address=msg.peer_address,
+                peer_base=msg.peer_base,
+            )
+        )
+        return reqs
 
     def abort(self, rid: str) -> None:
         if self.active.pop(rid, None) is not None:

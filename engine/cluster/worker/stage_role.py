@@ -31,24 +31,17 @@ import torch
 from engine.cluster import messages as m
 from engine.cluster.worker.roles import Emit, PrefillRole, _Prefill
 from engine.core.llm_engine import LLMEngine
-from engine.core.scheduler import QueueFullError
 from engine.core.scheduler_output import ScheduledRequest
-from engine.core.stage_io import StageIO
+from engine.core.stage_io import StageIO, parent_request_id
 from engine.ipc.wire import params_from_wire
-from engine.kv_connector.sender import KVSender, SendTarget
+from engine.kv_connector.sender import KVSender
 from engine.kv_connector.staging import KVLayout
 from engine.model.stages import PipelineStage
 from engine.sampling_params import SamplingParams
-from engine.structured.compiler import GrammarBusyError
 
 log = logging.getLogger(__name__)
 
 STAGE_DONE = "stage_done"  # a stage short of the last: the request's prompt went through it
-
-
-def parent_id(request_id: str) -> str:
-    """The request a choice belongs to (choices of n > 1 are named ``rid#i``)."""
-    return request_id.rsplit("#", 1)[0] if "#" in request_id else request_id
 
 
 class LinkIO(StageIO):
@@ -77,16 +70,16 @@ class LinkIO(StageIO):
         assert self.receiver is not None
         parts = []
         for s in order:
-            start = s.request.num_computed_tokens
-            parts.append(self.receiver.rows(parent_id(s.request.request_id), start,
-                                            start + s.num_tokens))  # fmt: skip
+            req, start = s.request, s.request.num_computed_tokens
+            rid = parent_request_id(req.request_id, req.params.n)
+            parts.append(self.receiver.rows(rid, start, start + s.num_tokens))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def outputs(self, order: Sequence[ScheduledRequest], hidden: torch.Tensor) -> None:
         assert self.sender is not None
         row = 0
         for s in order:
-            rid = parent_id(s.request.request_id)
+            rid = parent_request_id(s.request.request_id, s.request.params.n)
             start = s.request.num_computed_tokens
             address = self.next_address.get(rid)
             if address:
@@ -153,7 +146,7 @@ class StageRole(PrefillRole):
             self.link.next_address[rid] = msg.stage_next
         if self.stage.is_first:
             cap = msg.prefix_tokens if msg.prefix_tokens >= 0 else None
-            if not self._admit(msg, params, prefix_tokens=cap):
+            if not self._admit_stage(msg, params, prefix_tokens=cap):
                 return
         else:
             try:
@@ -165,43 +158,15 @@ class StageRole(PrefillRole):
             self.waiting[rid] = _Waiting(msg, params)
             self.on_hidden(rid)  # rows held before the request came may be here already
 
-    def _admit(self, msg: m.PrefillRequest, params: SamplingParams, **stage_fields) -> bool:
-        """Into the engine (and the KV sender), with the request fields a stage sets."""
+    def _admit_stage(self, msg: m.PrefillRequest, params: SamplingParams, **stage_fields) -> bool:
+        """Into the engine and the KV sender (PrefillRole._admit), with the request fields a
+        stage sets. Only the last stage samples: earlier ones take the prompt as one sequence."""
         rid = msg.request_id
-        # Only the last stage samples: earlier ones take the prompt as one sequence.
         run = params if self.stage.is_last else SamplingParams(max_tokens=1)
-        try:
-            self.engine.add_request(msg.prompt_token_ids, run, request_id=rid, **stage_fields)
-        except QueueFullError as exc:
+        reqs = self._admit(msg, run, **stage_fields)
+        if not reqs:
             self._drop(rid)
-            self.emit(m.RequestError(rid, self.worker_id, 429, str(exc)))
             return False
-        except GrammarBusyError as exc:
-            self._drop(rid)
-            self.emit(m.RequestError(rid, self.worker_id, 503, str(exc)))
-            return False
-        except (ValueError, TypeError) as exc:
-            self._drop(rid)
-            self.emit(m.RequestError(rid, self.worker_id, 400, str(exc)))
-            return False
-        reqs = self.engine.requests_of(rid)
-        layout = KVLayout(
-            self.sender.num_layers, len(msg.prompt_token_ids), self.sender.token_bytes
-        )
-        self.sender.add(
-            SendTarget(
-                rid,
-                reqs[0].request_id,
-                msg.kv_address,
-                msg.transport,
-                msg.shm_path,
-                msg.offset,
-                layout,
-                stream_layers=msg.stream_layers,
-                peer_address=msg.peer_address,
-                peer_base=msg.peer_base,
-            )
-        )
         if self.stage.is_last:
             self.active[rid] = _Prefill(rid, reqs)
         else:
@@ -251,7 +216,7 @@ class StageRole(PrefillRole):
             if start is None:
                 return
             del self.waiting[rid]
-            if not self._admit(w.msg, w.params, prefix_tokens=start, prefix_exact=True,
+            if not self._admit_stage(w.msg, w.params, prefix_tokens=start, prefix_exact=True,
                                ready_tokens=rx.ready(rid)):  # fmt: skip
                 return
         self.engine.set_ready_tokens(rid, rx.ready(rid))

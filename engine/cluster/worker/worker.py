@@ -327,6 +327,7 @@ class Worker:
         log.info("%s worker %s up (router %s)", self.cfg.role, self.worker_id, self.cfg.router)
         next_check = 0.0
         next_register = time.monotonic() + REGISTER_EVERY_S
+        stalled = False  # the last step ran nothing: a stage waiting for hidden states
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
@@ -334,7 +335,9 @@ class Worker:
                     break
                 if self._stop.is_set():
                     break
-                events = dict(poller.poll(0 if busy else 50))
+                # A stage whose requests wait for the stage before's hidden states sleeps until
+                # they come (the receiver wakes this poll), not spinning a core its peers need.
+                events = dict(poller.poll(0 if busy and not stalled else 50))
                 if ctl in events:
                     self._take_control(ctl)
                 if self.copier is not None and self.copier.sock in events:
@@ -353,8 +356,11 @@ class Worker:
                         self.role.check_deadlines()
                 if self.link is not None:
                     self._take_hidden()
+                stalled = False
                 if self.engine.has_unfinished_requests():
+                    steps = self.engine.num_steps
                     self._step()
+                    stalled = self.link is not None and self.engine.num_steps == steps
                 if time.monotonic() >= next_register:  # a restarted router learns of us
                     next_register = time.monotonic() + REGISTER_EVERY_S
                     self._emit(self._register())

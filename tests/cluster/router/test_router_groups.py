@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-import zmq
+import pytest
 
 from engine.cluster import messages as m
 from engine.cluster.conductor.adapter import make_placement
@@ -20,6 +20,7 @@ from engine.cluster.router.config import RouterConfig
 from engine.cluster.router.membership import Membership
 from engine.cluster.router.router import Router
 from engine.sampling_params import SamplingParams
+from tests.cluster.router.scripted_workers import Scripted, pump_until
 from tests.cluster.router.test_membership import NoLinks
 
 
@@ -71,41 +72,6 @@ def test_the_conductor_sees_a_group_with_its_pipeline_shape():
     assert "group:g" not in placement.conductor._prefills
 
 
-class Scripted:
-    def __init__(self, router: Router, reg: m.Register) -> None:
-        self.wid = reg.worker_id
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(router.address)
-        self.sock.send_multipart(m.encode(reg))
-        self.alive = True
-        self.inbox: list[m.Message] = []
-
-    def send(self, msg: m.Message) -> None:
-        self.sock.send_multipart(m.encode(msg))
-
-    def pump(self) -> None:
-        if self.alive:
-            self.send(m.Heartbeat(self.wid, "up", 0, 0, 0.0, 0, 0, 0))
-        while self.sock.poll(0):
-            self.inbox.append(m.decode(self.sock.recv_multipart()))
-
-    def all(self, kind: type[m.Message]) -> list:
-        return [x for x in self.inbox if isinstance(x, kind)]
-
-
-def pump_until(workers, cond, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        for w in workers:
-            w.pump()
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.03)
-
-
 def client(router: Router, outputs: list) -> threading.Thread:
     def run():
         async def go():
@@ -125,78 +91,77 @@ FIRST = {"index": 0, "offset": 0, "token_ids": [42], "logprobs": None, "text_off
          "text": "x", "finish_reason": None, "stop_reason": None}  # fmt: skip
 
 
-def test_a_request_placed_on_a_group_reaches_every_stage_and_ends_through_the_last():
-    router = Router(RouterConfig(heartbeat_timeout_s=2.0))
-    s0 = Scripted(router, stage_register("g-0", "g", 0, 2))
-    s1 = Scripted(router, stage_register("g-1", "g", 1, 2))
-    d = Scripted(router, m.Register("d0", "decode", os.getpid(), "default", 1024,
-                                    "tcp://127.0.0.1:7100", "", "tcp", "h"))  # fmt: skip
+@pytest.fixture
+def group():
+    """A router with a 2-stage group g and a decode worker d0 up, a client's request "r" on its
+    way (started), and what the client got so far."""
+    router = Router(RouterConfig(heartbeat_timeout_s=1.5, policy="round_robin"))
+    s0 = Scripted(router, "g-0", reg=stage_register("g-0", "g", 0, 2))
+    s1 = Scripted(router, "g-1", reg=stage_register("g-1", "g", 1, 2))
+    decode = m.Register("d0", "decode", os.getpid(), "default", 1024, "tcp://127.0.0.1:7100", "",
+                        "tcp", "h")  # fmt: skip
+    d = Scripted(router, "d0", "decode", reg=decode)
     ws, outputs = [s0, s1, d], []
     thread = client(router, outputs)
     try:
         pump_until(ws, lambda: router.is_healthy(), "the group and the decode worker")
         thread.start()
-        (req,) = pump_until(ws, lambda: d.all(m.DecodeRequest), "the DecodeRequest")
-        assert req.senders == 2 and req.sender_pid == 0  # one KVDone per stage, no pid to watch
-        d.send(m.DecodeReady(req.request_id, 0, 4096))
-        (p0,) = pump_until(ws, lambda: s0.all(m.PrefillRequest), "stage 0's PrefillRequest")
-        (p1,) = pump_until(ws, lambda: s1.all(m.PrefillRequest), "stage 1's PrefillRequest")
-        assert p0.stage_next == "tcp://127.0.0.1:7001" and p1.stage_next == ""
-        assert p0.prefix_tokens == 0 and p1.prefix_tokens == -1  # nothing cached on the stages
-        assert p0.kv_address == p1.kv_address == "tcp://127.0.0.1:7100"
-        assert router.placement_of("r")[1] == "group:g"
-        s0.send(m.Outputs(req.request_id, "g-0", [FIRST]))  # only the last stage's count
-        time.sleep(0.2)
-        pump_until(ws, lambda: True, "a pump")
-        assert not d.all(m.FirstTokens)
-        s1.send(m.Outputs(req.request_id, "g-1", [FIRST]))
-        pump_until(ws, lambda: d.all(m.FirstTokens), "FirstTokens from the last stage")
-        rest = {**FIRST, "offset": 1, "token_ids": [7, 8], "text_offset": 1, "text": "yz",
-                "finish_reason": "length"}  # fmt: skip
-        d.send(m.Outputs(req.request_id, "d0", [rest]))
-        pump_until(ws, lambda: outputs and getattr(outputs[-1], "finished", True), "the end")
-        assert outputs[-1].outputs[0].token_ids == [42, 7, 8]
+        yield router, s0, s1, d, outputs
     finally:
         thread.join(10)
         router.close()
         for w in ws:
-            w.sock.close(linger=0)
+            w.close()
 
 
-def test_a_stage_refusing_or_dying_aborts_every_leg_and_the_request_is_placed_again():
-    router = Router(RouterConfig(heartbeat_timeout_s=1.0, policy="round_robin"))
-    s0 = Scripted(router, stage_register("g-0", "g", 0, 2))
-    s1 = Scripted(router, stage_register("g-1", "g", 1, 2))
-    d = Scripted(router, m.Register("d0", "decode", os.getpid(), "default", 1024,
-                                    "tcp://127.0.0.1:7100", "", "tcp", "h"))  # fmt: skip
-    ws, outputs = [s0, s1, d], []
-    thread = client(router, outputs)
-    try:
-        pump_until(ws, lambda: router.is_healthy(), "the group and the decode worker")
-        thread.start()
-        (req,) = pump_until(ws, lambda: d.all(m.DecodeRequest), "the DecodeRequest")
-        d.send(m.DecodeReady(req.request_id, 0, 4096))
-        pump_until(ws, lambda: s1.all(m.PrefillRequest), "stage 1's PrefillRequest")
-        # Stage 1 lacks the prefix (or its hidden states failed): 503, placed again.
-        s1.send(m.RequestError(req.request_id, "g-1", 503, "stage 1/2: prefix missing"))
-        for w in ws:
-            aborted = lambda w=w: any(a.request_id == req.request_id for a in w.all(m.Abort))  # noqa: E731
-            pump_until(ws, aborted, f"{w.wid}'s Abort")
-        again = pump_until(ws, lambda: [r for r in d.all(m.DecodeRequest) if r is not req],
-                           "the second attempt")  # fmt: skip
-        assert again[0].request_id != req.request_id and again[0].senders == 2
-        d.send(m.DecodeReady(again[0].request_id, 0, 4096))
-        pump_until(ws, lambda: len(s0.all(m.PrefillRequest)) == 2, "stage 0's second request")
-        s1.alive = False  # SIGKILLed mid-prefill: the group goes down, every leg is aborted
-        pump_until(ws, lambda: any(a.request_id == again[0].request_id for a in s0.all(m.Abort)),
-                   "stage 0's Abort")  # fmt: skip
-        assert router.workers_status()["g-1"]["state"] == "dead"
-        assert router.workers_status()["g-0"]["stage"] == "0/2"
-        # No other prefill unit: the request ends with a clear error, not a hang.
-        pump_until(ws, lambda: outputs and isinstance(outputs[-1], Exception), "the error")
-        assert "prefill" in str(outputs[-1]) or "worker" in str(outputs[-1])
-    finally:
-        thread.join(10)
-        router.close()
-        for w in ws:
-            w.sock.close(linger=0)
+def test_a_request_placed_on_a_group_reaches_every_stage_and_ends_through_the_last(group):
+    router, s0, s1, d, outputs = group
+    ws = [s0, s1, d]
+    (req,) = pump_until(ws, lambda: d.all(m.DecodeRequest), "the DecodeRequest")
+    assert req.senders == 2 and req.sender_pid == 0  # one KVDone per stage, no pid to watch
+    assert req.stage_pids == [-1, -1]  # neither stage proved it shares d0's memory: frames
+    d.send(m.DecodeReady(req.request_id, 0, 4096))
+    (p0,) = pump_until(ws, lambda: s0.all(m.PrefillRequest), "stage 0's PrefillRequest")
+    (p1,) = pump_until(ws, lambda: s1.all(m.PrefillRequest), "stage 1's PrefillRequest")
+    assert p0.stage_next == "tcp://127.0.0.1:7001" and p1.stage_next == ""
+    assert p0.prefix_tokens == 0 and p1.prefix_tokens == -1  # nothing cached on the stages
+    assert p0.kv_address == p1.kv_address == "tcp://127.0.0.1:7100"
+    assert p0.transport == p1.transport == "tcp"
+    assert router.placement_of("r")[1] == "group:g"
+    s0.send(m.Outputs(req.request_id, "g-0", [FIRST]))  # only the last stage's count
+    time.sleep(0.2)
+    pump_until(ws, lambda: True, "a pump")
+    assert not d.all(m.FirstTokens)
+    s1.send(m.Outputs(req.request_id, "g-1", [FIRST]))
+    pump_until(ws, lambda: d.all(m.FirstTokens), "FirstTokens from the last stage")
+    rest = {**FIRST, "offset": 1, "token_ids": [7, 8], "text_offset": 1, "text": "yz",
+            "finish_reason": "length"}  # fmt: skip
+    d.send(m.Outputs(req.request_id, "d0", [rest]))
+    pump_until(ws, lambda: outputs and getattr(outputs[-1], "finished", True), "the end")
+    assert outputs[-1].outputs[0].token_ids == [42, 7, 8]
+
+
+def test_a_stage_refusing_or_dying_aborts_every_leg_and_the_request_is_placed_again(group):
+    router, s0, s1, d, outputs = group
+    ws = [s0, s1, d]
+    (req,) = pump_until(ws, lambda: d.all(m.DecodeRequest), "the DecodeRequest")
+    d.send(m.DecodeReady(req.request_id, 0, 4096))
+    pump_until(ws, lambda: s1.all(m.PrefillRequest), "stage 1's PrefillRequest")
+    # Stage 1 lacks the prefix (or its hidden states failed): 503, placed again.
+    s1.send(m.RequestError(req.request_id, "g-1", 503, "stage 1/2: prefix missing"))
+    for w in ws:
+        aborted = lambda w=w: any(a.request_id == req.request_id for a in w.all(m.Abort))  # noqa: E731
+        pump_until(ws, aborted, f"{w.wid}'s Abort")
+    again = pump_until(ws, lambda: [r for r in d.all(m.DecodeRequest) if r is not req],
+                       "the second attempt")  # fmt: skip
+    assert again[0].request_id != req.request_id and again[0].senders == 2
+    d.send(m.DecodeReady(again[0].request_id, 0, 4096))
+    pump_until(ws, lambda: len(s0.all(m.PrefillRequest)) == 2, "stage 0's second request")
+    s1.alive = False  # SIGKILLed mid-prefill: the group goes down, every leg is aborted
+    pump_until(ws, lambda: any(a.request_id == again[0].request_id for a in s0.all(m.Abort)),
+               "stage 0's Abort")  # fmt: skip
+    assert router.workers_status()["g-1"]["state"] == "dead"
+    assert router.workers_status()["g-0"]["stage"] == "0/2"
+    # No other prefill unit: the request ends with a clear error, not a hang.
+    pump_until(ws, lambda: outputs and isinstance(outputs[-1], Exception), "the error")
+    assert "prefill" in str(outputs[-1]) or "worker" in str(outputs[-1])

@@ -16,45 +16,7 @@ import zmq
 from engine.cluster import messages as m
 from engine.cluster.router.router import Router, RouterConfig
 from engine.sampling_params import SamplingParams
-
-
-class Scripted:
-    def __init__(self, router: Router, wid: str, role: str) -> None:
-        self.wid, self.role = wid, role
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(router.address)
-        self.register()
-        self.alive = True
-        self.inbox: list[m.Message] = []
-
-    def register(self, pid: int | None = None) -> None:
-        pid = os.getpid() if pid is None else pid
-        self.send(m.Register(self.wid, self.role, pid, "default", 1024, "", "", "tcp", "h"))
-
-    def send(self, msg: m.Message) -> None:
-        self.sock.send_multipart(m.encode(msg))
-
-    def pump(self) -> None:
-        if self.alive:
-            self.send(m.Heartbeat(self.wid, "up", 0, 0, 0.0, 0, 0, 0))
-        while self.sock.poll(0):
-            self.inbox.append(m.decode(self.sock.recv_multipart()))
-
-    def first(self, kind: type[m.Message]):
-        return next((x for x in self.inbox if isinstance(x, kind)), None)
-
-
-def pump_until(workers, cond, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        for w in workers:
-            w.pump()
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.03)
+from tests.cluster.router.scripted_workers import Scripted, pump_until
 
 
 def test_decode_worker_gets_the_first_tokens_and_hears_of_the_prefill_workers_death():
