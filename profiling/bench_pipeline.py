@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="3584,7168", help="prompt lengths, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--chunk", type=int, default=512, help="the group's chunk (prefill budget)")
+    ap.add_argument("--chunk", type=int, default=256, help="the group's chunk (prefill budget)")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
