@@ -14,14 +14,22 @@ import time
 from cluster_checks import collect
 
 from engine.cluster.launcher import Cluster
+from engine.cluster.placement import Placed, PlacementBase
 from engine.cluster.router.router import RouterConfig
 from engine.sampling_params import SamplingParams
 
 ARGS = ["--dtype", "float32", "--kv-cache-memory-gb", "0.25", "--kv-staging-mb", "256",
         "--max-num-batched-tokens", "128"]  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-# Round robin over the units sorted by id: "group:group-0" first, then "prefill-0".
-ROUTER = RouterConfig(heartbeat_timeout_s=2.0, policy="round_robin", rejection="none")
+ROUTER = RouterConfig(heartbeat_timeout_s=2.0)
+
+
+class GroupFirst(PlacementBase):
+    """The group while it is up, else the prefill worker alone (and the decode worker)."""
+
+    def place(self, prompt_token_ids, prefill, decode) -> Placed | None:
+        units = sorted(prefill, key=lambda w: -w.stages)
+        return Placed(units[0].worker_id, decode[0].worker_id) if units and decode else None
 
 
 def idle(cluster: Cluster, timeout: float = 20.0) -> dict:
@@ -42,6 +50,7 @@ def test_a_stage_killed_mid_prefill_is_retried_elsewhere_and_leaks_nothing():
     with Cluster(1, 1, worker_args=ARGS, router_config=ROUTER, prefill_groups=1,
                  stages=2) as cluster:  # fmt: skip
         router = cluster.router
+        router.set_placement(GroupFirst())
 
         async def baseline():
             return await collect(router, prompt[:200], GREEDY)  # warm; placed on the group
@@ -71,7 +80,7 @@ def test_a_stage_killed_mid_prefill_is_retried_elsewhere_and_leaks_nothing():
         assert len(out.outputs[0].token_ids) == 6
         idle(cluster)  # the surviving stage and the decode worker hold nothing
 
-        # The group is down: round robin has only the prefill worker now.
+        # The group is down: only the prefill worker is placed on now.
         async def placed_on() -> str:
             task = asyncio.ensure_future(collect(router, prompt[:300], GREEDY, rid="q"))
             while router.placement_of("q") is None and not task.done():
@@ -83,10 +92,7 @@ def test_a_stage_killed_mid_prefill_is_retried_elsewhere_and_leaks_nothing():
         assert asyncio.run(placed_on()) == "prefill-0"
         cluster.start_worker("prefill", "group-0-stage-1")  # rejoins: the group is up again
         cluster.router.wait_for_workers(1, 1, 120, check=cluster.check_children, groups=1)
-        units = set()
-        for _ in range(2):
-            units.add(asyncio.run(placed_on()))
-        assert "group:group-0" in units
+        assert asyncio.run(placed_on()) == "group:group-0"
         again, _ = asyncio.run(collect(router, prompt, GREEDY))
         assert again.outputs[0].token_ids == ref.outputs[0].token_ids
         idle(cluster)

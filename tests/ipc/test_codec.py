@@ -49,8 +49,11 @@ def wrong(hint: object) -> object:
 
 
 def sample(c: Codec, cls: type) -> codec.Message:
+    """The smallest valid message of a kind, with the data frames it must carry."""
     fields = c._fields[cls]
-    return cls(**{f.name: example(f.hint) for f in fields})
+    msg = cls(**{f.name: example(f.hint) for f in fields})
+    needs = msg.expected_frames() if hasattr(msg, "expected_frames") else 0
+    return dataclasses.replace(msg, frames=(b"x",) * needs) if needs else msg
 
 
 KINDS = [(name, kind) for name, c in CODECS.items() for kind in c.messages]
