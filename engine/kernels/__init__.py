@@ -14,6 +14,7 @@ import torch
 
 from engine import envs
 from engine.kernels.decode_attention import decode_attention_native, decode_attention_ref
+from engine.kernels.float_matmul import float_matmul_native, float_matmul_ref
 from engine.kernels.int8_matmul import (
     INT8_GEMV_MAX_ROWS,
     int8_matmul_blocked,
@@ -84,6 +85,14 @@ def int8_matmul(x, qweight, scales):
     return int8_matmul_ref(x, qweight, scales)
 
 
+def float_matmul(x, w):
+    """x [rows, in] @ w [out, in]^T in float32 (float dtypes; the LM head of a float32 model).
+    A CPU-only family: the C kernel for a few rows, torch's GEMM otherwise."""
+    if use_native(x.device):
+        return float_matmul_native(x, w)
+    return float_matmul_ref(x, w)
+
+
 def kv_gather(cache, block_ids, out):
     if use_triton(cache.device):
         from engine.kernels.kv_copy import kv_gather_triton
@@ -105,6 +114,7 @@ __all__ = [
     "prefill_attention",
     "decode_attention",
     "int8_matmul",
+    "float_matmul",
     "kv_gather",
     "kv_scatter",
     "use_native",

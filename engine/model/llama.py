@@ -262,6 +262,8 @@ class LlamaForCausalLM(torch.nn.Module):
             logits = int8_linear(hidden, self.lm_qweight, self.lm_scales, None).float()
         elif self.lm_packed is not None and hidden.dtype == torch.bfloat16:
             logits = packed_linear(hidden, self.lm_packed, None).float()
+        elif self.lm_head.dtype == torch.float32 == hidden.dtype:
+            logits = kernels.float_matmul(hidden, self.lm_head)  # C for a few rows on the CPU
         else:
             logits = torch.nn.functional.linear(hidden, self.lm_head).float()
         if (self.dtype == torch.float32 and self.lm_qweight is None) or hidden.shape[0] == 0:

@@ -43,7 +43,7 @@ from engine.kernels.native import structs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.c", "decode_layer.c", "int8_matmul.c")
+SOURCES = ("decode_attention.c", "decode_layer.c", "float_matmul.c", "int8_matmul.c")
 HEADERS = ("dtypes.h", "gemv.h")
 # The element types the kernels take, by the codes of dtypes.h.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -67,6 +67,8 @@ _SIGNATURES = {
     "engine_struct_layout": structs.SIGNATURE,
     # dtype, x, qweight, scales, y, rows, N, K, x row stride, y row stride, threads
     "engine_int8_matmul": [_I, _P, _P, _P, _P, _I, _I64, _I64, _I64, _I64, _I],
+    # x dtype, weight dtype, x, w, y (float32), rows, N, K, x row stride, y row stride, threads
+    "engine_float_matmul": [_I, _I, _P, _P, _P, _I, _I64, _I64, _I64, _I64, _I],
 }
 
 

@@ -22,6 +22,7 @@
 #include "gemv.h"
 
 #define ROW_BLOCK 16 /* output rows per work item */
+#define TILE_BLOCK 18 /* the same for float weights in tiles (gemv.h GEMV_FLOAT_TILES): 6 tiles */
 #define MAX_DIM 256
 /* With several rows a weight row takes long enough that the hardware prefetcher falls behind:
    the row PF_ROWS ahead is prefetched by hand (4 x 512: 14 -> 12 ms int8 here). */
@@ -161,6 +162,28 @@ static inline float rnd(int dt, float f) {
 static int project(int dt, const Proj *p, const float *x, int rows, float *y, int threads) {
     const int64_t N = p->n, K = p->k, blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t wsize = p->wt == W_I8 ? 1 : (p->wt == DT_F32 ? 4 : 2);
+#if defined(GEMV_FLOAT_TILES)
+    if (p->wt != W_I8 && rows >= GEMV_TILE_MIN_ROWS) {
+        const int64_t tblocks = (N + TILE_BLOCK - 1) / TILE_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t blk = 0; blk < tblocks; blk++) {
+            const int64_t n1 = (blk + 1) * TILE_BLOCK < N ? (blk + 1) * TILE_BLOCK : N;
+            for (int64_t j = blk * TILE_BLOCK; j < n1; j += GEMV_TILE_COLS) {
+                const int C = n1 - j < GEMV_TILE_COLS ? (int)(n1 - j) : GEMV_TILE_COLS;
+                float dots[GEMV_TILE_COLS][GEMV_ROWS_LIMIT];
+                float_tiles(p->wt, x, rows, K, (const char *)p->w + j * K * wsize, K * wsize, C,
+                            &dots[0][0], GEMV_ROWS_LIMIT);
+                for (int c = 0; c < C; c++)
+                    for (int m = 0; m < rows; m++) {
+                        float v = rnd(dt, dots[c][m]);
+                        if (p->bias) v = rnd(dt, v + load_f32(dt, p->bias, j + c));
+                        y[(int64_t)m * N + j + c] = v;
+                    }
+            }
+        }
+        return 0;
+    }
+#endif
     RowGroups acts;
     if (groups_prepare(&acts, p->wt, x, rows, K)) return -2;
 #pragma omp parallel for num_threads(threads) schedule(static)
