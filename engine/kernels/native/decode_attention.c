@@ -345,14 +345,109 @@ static inline __attribute__((always_inline)) void values_avx2(
     }
 }
 
+/* Query heads that share a KV head (grouped-query attention: 3 per KV head in the default
+   model), up to 3 at a time, so that each K and V row is loaded once for all of them instead of
+   once per head (from L2: a chunk's float32 K of one KV head is 64 KB at head_dim 64). Scores:
+   4 keys x HS heads in 4 * HS accumulators, the HS query pieces and one key piece in registers;
+   values: 4 columns x HS heads. Every sum is formed in the same order as in scores_avx2 and
+   values_avx2 (one accumulator over the head's columns per key, reduced by sum8's tree, which
+   is the same for each of its inputs; the value sums in token order), so the bits are theirs. */
+static inline __attribute__((always_inline)) void scores_avx2_grouped(
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *q, float *scores,
+    const int nv, const int HS, int h0) {
+    const int D = a->dim;
+    int64_t offs[CHUNK];
+    const int n = chunk_offsets(table, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh, t0, t1,
+                                offs);
+    for (int i = 0; i < n; i += 4) {
+        __m256 dots[12];
+        for (int j = 0; j < 12; j++) dots[j] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+        for (int c = 0; c < nv; c++) {
+            __m256 qc[3];
+            for (int g = 0; g < HS; g++) qc[g] = _mm256_loadu_ps(q + (size_t)(h0 + g) * D + 8 * c);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m256 kv = load8(a->dt, a->k, offs[i + j] + 8 * c);
+                for (int g = 0; g < HS; g++)
+                    dots[4 * g + j] = _mm256_fmadd_ps(qc[g], kv, dots[4 * g + j]);
+            }
+        }
+        float r[16];
+        _mm256_storeu_ps(r, sum8(dots));
+        if (HS == 3) {
+            __m256 rest[8];
+            for (int j = 0; j < 4; j++) rest[j] = dots[8 + j], rest[4 + j] = _mm256_setzero_ps();
+            _mm256_storeu_ps(r + 8, sum8(rest));
+        }
+        for (int g = 0; g < HS; g++)
+            for (int j = 0; j < 4; j++) scores[(size_t)(h0 + g) * CHUNK + i + j] = r[4 * g + j];
+    }
+}
+
+static inline __attribute__((always_inline)) void values_avx2_grouped(
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *probs, float *acc,
+    const int nv, const int HS, int h0) {
+    const int D = a->dim;
+    int64_t offs[CHUNK];
+    const int n = chunk_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, t1,
+                                offs);
+    for (int c0 = 0; c0 < nv; c0 += 4) {
+        const int m = nv - c0 < 4 ? nv - c0 : 4;
+        __m256 o[3][4];
+        for (int g = 0; g < HS; g++)
+            for (int c = 0; c < 4; c++) o[g][c] = _mm256_setzero_ps();
+        for (int i = 0; i < n; i++) {
+            __m256 p[3];
+            for (int g = 0; g < HS; g++) p[g] = _mm256_set1_ps(probs[(size_t)(h0 + g) * CHUNK + i]);
+#pragma GCC unroll 4
+            for (int c = 0; c < m; c++) {
+                const __m256 v = load8(a->dt, a->v, offs[i] + 8 * (c0 + c));
+                for (int g = 0; g < HS; g++) o[g][c] = _mm256_fmadd_ps(p[g], v, o[g][c]);
+            }
+        }
+        for (int g = 0; g < HS; g++)
+            for (int c = 0; c < m; c++)
+                _mm256_storeu_ps(acc + (size_t)(h0 + g) * D + 8 * (c0 + c), o[g][c]);
+    }
+}
+
 #define SPECIALISE(NV)                                                                           \
     static void scores_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
                               const float *q, float *scores) {                                  \
-        scores_avx2(a, table, kh, t0, t1, q, scores, NV);                                       \
+        const int G = a->heads / a->kv_heads;                                                    \
+        if (G == 1) return scores_avx2(a, table, kh, t0, t1, q, scores, NV);                     \
+        for (int h = kh * G; h < (kh + 1) * G;) {                                                \
+            const int hs = (kh + 1) * G - h;                                                     \
+            if (hs >= 3) {                                                                       \
+                scores_avx2_grouped(a, table, kh, t0, t1, q, scores, NV, 3, h);                  \
+                h += 3;                                                                          \
+            } else if (hs == 2) {                                                                \
+                scores_avx2_grouped(a, table, kh, t0, t1, q, scores, NV, 2, h);                  \
+                h += 2;                                                                          \
+            } else {                                                                             \
+                scores_avx2_grouped(a, table, kh, t0, t1, q, scores, NV, 1, h);                  \
+                h += 1;                                                                          \
+            }                                                                                    \
+        }                                                                                        \
     }                                                                                            \
     static void values_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
                               const float *probs, float *acc) {                                 \
-        values_avx2(a, table, kh, t0, t1, probs, acc, NV);                                      \
+        const int G = a->heads / a->kv_heads;                                                    \
+        if (G == 1) return values_avx2(a, table, kh, t0, t1, probs, acc, NV);                    \
+        for (int h = kh * G; h < (kh + 1) * G;) {                                                \
+            const int hs = (kh + 1) * G - h;                                                     \
+            if (hs >= 3) {                                                                       \
+                values_avx2_grouped(a, table, kh, t0, t1, probs, acc, NV, 3, h);                 \
+                h += 3;                                                                          \
+            } else if (hs == 2) {                                                                \
+                values_avx2_grouped(a, table, kh, t0, t1, probs, acc, NV, 2, h);                 \
+                h += 2;                                                                          \
+            } else {                                                                             \
+                values_avx2_grouped(a, table, kh, t0, t1, probs, acc, NV, 1, h);                 \
+                h += 1;                                                                          \
+            }                                                                                    \
+        }                                                                                        \
     }
 SPECIALISE(8)  /* head_dim 64 */
 SPECIALISE(16) /* head_dim 128 */
