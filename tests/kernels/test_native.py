@@ -73,11 +73,17 @@ def test_a_sequence_gets_the_same_bits_in_any_batch_and_thread_count():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_vector_path_is_batch_invariant_and_matches_the_reference(dtype, head_dim):
+# query heads per KV head: 4 (the AVX2 path takes them 3 + 1 at a time), 5 (3 + 2), 1 (one by one)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (10, 2), (3, 3)])
+def test_every_vector_path_is_batch_invariant_and_matches_the_reference(
+    dtype, head_dim, heads, kv_heads
+):
     # head_dim 64 and 128 take the vector paths (AVX-512, or AVX2 under make test's second pass),
-    # 80 the loops; lengths not a multiple of the 8 or 16 keys scored at a time, and past a chunk.
+    # 80 the loops; lengths not a multiple of the 4 or 8 keys scored at a time, and past a chunk.
     lens = [9, 700, 3, 260, 1, 513]
-    q, k_cache, v_cache, bt, lens_t = make_batch(lens, 8, 2, head_dim, 16, dtype, seed=head_dim)
+    q, k_cache, v_cache, bt, lens_t = make_batch(
+        lens, heads, kv_heads, head_dim, 16, dtype, seed=head_dim
+    )
     together = decode_attention_native(q, k_cache, v_cache, bt, lens_t, head_dim**-0.5)
     ref = decode_attention_ref(q, k_cache, v_cache, bt, lens_t, head_dim**-0.5)
     torch.testing.assert_close(together, ref, **TOL[dtype])
