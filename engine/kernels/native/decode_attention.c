@@ -412,42 +412,31 @@ static inline __attribute__((always_inline)) void values_avx2_grouped(
     }
 }
 
+/* FN(..., HS, h) over the query heads of KV head kh in sets of 3, then a set of 2 or 1 (HS a
+   constant in each call, so each set's loops unroll). */
+#define FOR_HEAD_SETS(FN, ...)                                                                   \
+    for (int h = kh * G; h < (kh + 1) * G;) {                                                    \
+        const int hs = (kh + 1) * G - h;                                                         \
+        if (hs >= 3)                                                                             \
+            FN(__VA_ARGS__, 3, h), h += 3;                                                       \
+        else if (hs == 2)                                                                        \
+            FN(__VA_ARGS__, 2, h), h += 2;                                                       \
+        else                                                                                     \
+            FN(__VA_ARGS__, 1, h), h += 1;                                                       \
+    }
+
 #define SPECIALISE(NV)                                                                           \
     static void scores_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
                               const float *q, float *scores) {                                  \
         const int G = a->heads / a->kv_heads;                                                    \
         if (G == 1) return scores_avx2(a, table, kh, t0, t1, q, scores, NV);                     \
-        for (int h = kh * G; h < (kh + 1) * G;) {                                                \
-            const int hs = (kh + 1) * G - h;                                                     \
-            if (hs >= 3) {                                                                       \
-                scores_avx2_grouped(a, table, kh, t0, t1, q, scores, NV, 3, h);                  \
-                h += 3;                                                                          \
-            } else if (hs == 2) {                                                                \
-                scores_avx2_grouped(a, table, kh, t0, t1, q, scores, NV, 2, h);                  \
-                h += 2;                                                                          \
-            } else {                                                                             \
-                scores_avx2_grouped(a, table, kh, t0, t1, q, scores, NV, 1, h);                  \
-                h += 1;                                                                          \
-            }                                                                                    \
-        }                                                                                        \
+        FOR_HEAD_SETS(scores_avx2_grouped, a, table, kh, t0, t1, q, scores, NV)                  \
     }                                                                                            \
     static void values_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
                               const float *probs, float *acc) {                                 \
         const int G = a->heads / a->kv_heads;                                                    \
         if (G == 1) return values_avx2(a, table, kh, t0, t1, probs, acc, NV);                    \
-        for (int h = kh * G; h < (kh + 1) * G;) {                                                \
-            const int hs = (kh + 1) * G - h;                                                     \
-            if (hs >= 3) {                                                                       \
-                values_avx2_grouped(a, table, kh, t0, t1, probs, acc, NV, 3, h);                 \
-                h += 3;                                                                          \
-            } else if (hs == 2) {                                                                \
-                values_avx2_grouped(a, table, kh, t0, t1, probs, acc, NV, 2, h);                 \
-                h += 2;                                                                          \
-            } else {                                                                             \
-                values_avx2_grouped(a, table, kh, t0, t1, probs, acc, NV, 1, h);                 \
-                h += 1;                                                                          \
-            }                                                                                    \
-        }                                                                                        \
+        FOR_HEAD_SETS(values_avx2_grouped, a, table, kh, t0, t1, probs, acc, NV)                 \
     }
 SPECIALISE(8)  /* head_dim 64 */
 SPECIALISE(16) /* head_dim 128 */
