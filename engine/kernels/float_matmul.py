@@ -25,16 +25,22 @@ NATIVE_FLOAT_MAX_ROWS_NO_TILES = 8
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_max_rows: dict[int, int] = {}  # by id of the loaded library: asked once, not at every step
+
+
 def native_max_rows() -> int:
     """Rows up to which float_matmul_native runs the C kernel on this CPU (0: never, where the
     row dots over float weights are plain loops, cpu_isa.CpuIsa.c_float_row_dots)."""
     from engine import cpu_isa
     from engine.kernels import native
 
-    if not cpu_isa.this_cpu().c_float_row_dots or native.library() is None:
+    lib = native.library()
+    if not cpu_isa.this_cpu().c_float_row_dots or lib is None:
         return 0
-    tiles = native.row_dot_paths().get("float") == "avx2"
-    return NATIVE_FLOAT_MAX_ROWS if tiles else NATIVE_FLOAT_MAX_ROWS_NO_TILES
+    if id(lib) not in _max_rows:
+        tiles = native.row_dot_paths().get("float") == "avx2"
+        _max_rows[id(lib)] = NATIVE_FLOAT_MAX_ROWS if tiles else NATIVE_FLOAT_MAX_ROWS_NO_TILES
+    return _max_rows[id(lib)]
 
 
 def float_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
