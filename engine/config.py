@@ -197,6 +197,11 @@ class EngineConfig:
     # measured faster for int8 decode). Norm
     # statistics, rotary, softmax, logits and sampling stay in float32 whatever the dtype.
     dtype: str = "auto"
+    # The dtype the float weights (projections, embedding / LM head) are held in: "auto" is
+    # dtype's own, except under dtype=auto on CPUs without native bf16 whose C row dots widen
+    # bf16 in registers (AVX2, AVX-512): bfloat16 weights, float32 activations (cpu_isa
+    # auto_weight_dtype). A 16-bit weight_dtype other than dtype takes dtype float32.
+    weight_dtype: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     # "int8": weight-only int8 (per-output-channel scales) for the linear layers and the
     # embedding / LM head; activations, norms, KV cache and the scales stay in ``dtype`` (any).
@@ -246,6 +251,21 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be one of auto, float32, float16, bfloat16, got {self.dtype!r}"
             )
+        if self.weight_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                "weight_dtype must be one of auto, float32, float16, bfloat16, "
+                f"got {self.weight_dtype!r}"
+            )
+        if self.weight_dtype != "auto" and self.quantization is not None:
+            raise ValueError(
+                f"weight_dtype {self.weight_dtype} with quantization {self.quantization}: the "
+                "quantized weights are int8; leave weight_dtype auto"
+            )
+        if self.weight_dtype != "auto" and self.dtype not in ("auto", "float32", self.weight_dtype):
+            raise ValueError(
+                f"weight_dtype {self.weight_dtype} with dtype {self.dtype}: weights other than "
+                "the dtype's own are 16-bit ones under dtype float32"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len is not None:
@@ -268,13 +288,38 @@ class EngineConfig:
             return getattr(torch, cpu_isa.this_cpu().auto_dtype(self.quantization)[0])
         return getattr(torch, self.dtype)
 
+    def resolved_weight_dtype(self) -> torch.dtype:
+        """The dtype the float weights are held in (``weight_dtype``); int8 weights: the
+        activations' dtype (their scales' and the kept LM head rows')."""
+        dtype = self.resolved_dtype()
+        if self.quantization is not None:
+            return dtype
+        if self.weight_dtype != "auto":
+            weights = getattr(torch, self.weight_dtype)
+            if weights != dtype and dtype != torch.float32:
+                raise ValueError(
+                    f"weight_dtype {self.weight_dtype} with dtype auto, which is "
+                    f"{str(dtype).removeprefix('torch.')} here: weights other than the "
+                    "dtype's own take dtype float32"
+                )
+            return weights
+        if self.dtype != "auto" or self.resolved_device().type == "cuda":
+            return dtype
+        return getattr(torch, cpu_isa.this_cpu().auto_weight_dtype(self.quantization))
+
     def dtype_reason(self) -> str:
         """Why resolved_dtype is what it is, for the start-up log."""
         if self.dtype != "auto":
+            if self.weight_dtype not in ("auto", self.dtype) and self.quantization is None:
+                return f"dtype {self.dtype} with {self.weight_dtype} weights as asked"
             return f"dtype {self.dtype} as asked"
         if self.resolved_device().type == "cuda":
-            return "auto: bfloat16 on CUDA"
-        return cpu_isa.this_cpu().auto_dtype(self.quantization)[1]
+            why = "auto: bfloat16 on CUDA"
+        else:
+            why = cpu_isa.this_cpu().auto_dtype(self.quantization)[1]
+        if self.weight_dtype != "auto":
+            why += f"; {self.weight_dtype} weights as asked"
+        return why
 
     def resolved_compile(self) -> bool:
         return self.compile

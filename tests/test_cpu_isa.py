@@ -118,6 +118,36 @@ def test_features_of_each_class():
     assert not arm.c_float_row_dots
 
 
+@pytest.mark.parametrize(
+    "kind, want, want_int8",
+    [
+        # no native bf16, C row dots that widen bf16 in registers: bf16 weights, float32 rest
+        ("epyc-avx2", ("float32", "bfloat16"), ("bfloat16", "bfloat16")),
+        ("alderlake-avxvnni", ("float32", "bfloat16"), ("bfloat16", "bfloat16")),
+        ("skylake-avx512", ("float32", "bfloat16"), ("bfloat16", "bfloat16")),
+        # native bf16: bf16 throughout
+        ("zen4-bf16", ("bfloat16", "bfloat16"), ("bfloat16", "bfloat16")),
+        ("spr-amx", ("bfloat16", "bfloat16"), ("bfloat16", "bfloat16")),
+        # no vector row dots: widening bf16 on every call would cost more than it saves
+        ("graviton2", ("float32", "float32"), ("bfloat16", "bfloat16")),
+    ],
+)
+def test_dtype_auto_is_a_fixed_table_of_activations_and_weights(kind, want, want_int8):
+    # (activation dtype, weight dtype) of dtype=auto, without and with int8 weights (whose
+    # scales and kept LM head rows are in the activation dtype)
+    got = isa(kind)
+    assert (got.auto_dtype()[0], got.auto_weight_dtype()) == want
+    assert (got.auto_dtype("int8")[0], got.auto_weight_dtype("int8")) == want_int8
+    why = got.auto_dtype()[1]
+    assert ("bfloat16 weights" in why) == (want == ("float32", "bfloat16"))
+    model, flags = parse_cpuinfo(CPUINFO["epyc-avx2"])
+    no_fma = from_flags(flags - {"fma"}, model, "x86_64")
+    assert no_fma.auto_weight_dtype() == "float32"
+    # the cap decides, as for everything else: AVX512-BF16 hardware capped to avx2
+    assert isa("zen4-bf16", "avx2").auto_weight_dtype() == "bfloat16"
+    assert isa("zen4-bf16", "avx2").auto_dtype()[0] == "float32"
+
+
 def test_a_cpu_missing_one_flag_of_a_class_is_the_class_below():
     # compiling for x86-64-v3 on a CPU without MOVBE (a VM can hide one) would be an illegal
     # instruction away from a crash: such a CPU is "none" and gets -march=native.

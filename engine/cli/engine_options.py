@@ -31,6 +31,17 @@ ENGINE_FLAGS = (
         "--model", "model", "default", {"help": '"default" (SmolLM2-135M), a GGUF or HF dir'}
     ),
     EngineFlag("--dtype", "dtype", "auto", {"choices": ["auto", "float32", "float16", "bfloat16"]}),
+    EngineFlag(
+        "--weight-dtype",
+        "weight_dtype",
+        "auto",
+        {
+            "choices": ["auto", "float32", "float16", "bfloat16"],
+            "help": "dtype of the float weights: auto is --dtype's own, except bfloat16 weights "
+            "under float32 activations where --dtype auto picks float32 on a CPU whose C row "
+            "dots widen bf16 (AVX2, AVX-512 without BF16); a 16-bit one with --dtype float32",
+        },
+    ),
     EngineFlag("--device", "device", "auto"),
     EngineFlag(
         "--quantization",

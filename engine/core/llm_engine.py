@@ -137,6 +137,9 @@ class LLMEngine:
         self.weight_cache_hit = built.cache_hit
         model = self.model = built.model
         del built
+        # 16-bit weights under float32 activations (weight_dtype): before the KV pool binds, its
+        # namespace hashes the weights as held
+        model.store_weights_(config.resolved_weight_dtype())
         layers = len(model.layers)  # a stage's cache holds its own layers only
         plan = plan_cache(config, self.model_config, self.dtype, self.device, baseline, layers)
         cc, num_blocks = plan.cache, plan.num_blocks
@@ -218,11 +221,12 @@ class LLMEngine:
         isa = cpu_isa.this_cpu()
         dtype = str(self.dtype).removeprefix("torch.")
         on = {True: "on", False: "off"}
+        weights = self.config.quantization or str(self.model.weight_dtype).removeprefix("torch.")
         logger.info(
             "%s; this engine: %s%s (%s), packed bf16 weights %s, C decoder layers %s",
             isa.describe(),
             dtype,
-            f" with {self.config.quantization} weights" if self.config.quantization else "",
+            f" with {weights} weights" if weights != dtype else "",
             self.config.dtype_reason(),
             on[bool(self.runner.packed)],
             on[bool(self.runner.native_decode)],

@@ -14,7 +14,11 @@ import torch
 
 from engine import envs
 from engine.kernels.decode_attention import decode_attention_native, decode_attention_ref
-from engine.kernels.float_matmul import float_matmul_native, float_matmul_ref
+from engine.kernels.float_matmul import (
+    float_matmul_blocked,
+    float_matmul_native,
+    float_matmul_ref,
+)
 from engine.kernels.int8_matmul import (
     INT8_GEMV_MAX_ROWS,
     int8_matmul_blocked,
@@ -86,10 +90,13 @@ def int8_matmul(x, qweight, scales):
 
 
 def float_matmul(x, w):
-    """x [rows, in] @ w [out, in]^T in float32 (float dtypes; the LM head of a float32 model).
-    A CPU-only family: the C kernel for a few rows, torch's GEMM otherwise."""
+    """x [rows, in] @ w [out, in]^T in float32 (float dtypes; the LM head of a float32 model,
+    the projections of 16-bit weights against float32 activations). A CPU-only family: the C
+    kernel for a few rows, torch's GEMM otherwise (16-bit weights widened a tile at a time)."""
     if use_native(x.device):
         return float_matmul_native(x, w)
+    if x.device.type == "cpu":
+        return float_matmul_blocked(x, w)
     return float_matmul_ref(x, w)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_isa
+from engine import cpu_isa, kernels
 from engine.layers.quant import int8_linear, quantize_int8
 
 PACK_BATCH_HINT = 16  # the rows oneDNN tunes the packed layout for (decode batches)
@@ -13,7 +13,8 @@ PACK_BATCH_HINT = 16  # the rows oneDNN tunes the packed layout for (decode batc
 
 class Linear(torch.nn.Module):
     """y = x W^T (+ b). Fused projections (qkv, gate_up) are one Linear over stacked weights.
-    ``quantize_int8_()`` swaps the float weight for int8 and per-row scales."""
+    ``quantize_int8_()`` swaps the float weight for int8 and per-row scales; ``store_weight_()``
+    keeps it in a 16-bit dtype against float32 activations (EngineConfig.weight_dtype)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device
@@ -44,9 +45,23 @@ class Linear(torch.nn.Module):
         self.qweight, self.scales = qw.qweight, qw.scales
         self.weight = None  # the float copy is gone: int8 halves the bytes of a 16-bit weight
 
+    @torch.no_grad()
+    def store_weight_(self, dtype: torch.dtype) -> None:
+        """Keep the weight in ``dtype`` (bf16 or fp16 under float32 activations): the forward
+        widens it exactly (kernels.float_matmul) and decode steps stream half the bytes."""
+        if self.weight is not None and self.weight.dtype != dtype:
+            self.weight = torch.nn.Parameter(self.weight.data.to(dtype).contiguous(), False)
+            self.packed = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scales, self.bias)
+        if self.weight.dtype != x.dtype:  # 16-bit weights, float32 activations (store_weight_)
+            shape = x.shape
+            y = kernels.float_matmul(x.reshape(-1, shape[-1]), self.weight)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*shape[:-1], self.weight.shape[0])
         if self.packed is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

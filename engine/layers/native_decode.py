@@ -7,9 +7,10 @@ of up to ``MAX_ROWS`` sequences as one C call per layer. The torch layers stay t
 serve everything else (prefill chunks, mixed steps, larger batches, compiled layers, machines
 without a C compiler or without the row dots' vector paths for float weights). float32, bf16 and
 fp16 models are served as they are (weights, activations and KV cache in the model's dtype),
-int8 weights with activations and scales in the model's dtype, float32 included. The C structs'
-ctypes mirrors (Layer, Proj, Step) live in engine/kernels/native/structs.py, where the library's
-loader checks them against C.
+int8 weights with activations and scales in the model's dtype, float32 included, and 16-bit
+weights under float32 activations (EngineConfig.weight_dtype; widened exactly in registers).
+The C structs' ctypes mirrors (Layer, Proj, Step) live in engine/kernels/native/structs.py,
+where the library's loader checks them against C.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.kernels.float_matmul import rounds_rows
 from engine.kernels.native.structs import Layer, Proj, Step
 from engine.layers.attention_metadata import AttentionMetadata
 
@@ -41,7 +43,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _proj(lin, dtype: torch.dtype, codes: dict[torch.dtype, int]) -> Proj | None:
     """The C description of a Linear, or None where its weights are in a form the C layer does
-    not read (a float weight in another dtype than the model's)."""
+    not read (a float weight in another dtype than the model's, unless 16-bit under float32)."""
     bias = lin.bias
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
@@ -51,9 +53,12 @@ def _proj(lin, dtype: torch.dtype, codes: dict[torch.dtype, int]) -> Proj | None
             return None
         return Proj(W_I8, qw.data_ptr(), scales.data_ptr(), _ptr(bias), *qw.shape)
     w = lin.weight
-    if w is None or w.dtype != dtype or not w.is_contiguous():
+    # the model's dtype, or 16-bit weights against float32 activations (store_weights_)
+    if w is None or w.dtype not in codes or not w.is_contiguous():
         return None
-    return Proj(codes[dtype], w.data_ptr(), None, _ptr(bias), *w.shape)
+    if w.dtype != dtype and (dtype != torch.float32 or rounds_rows(w.dtype, dtype)):
+        return None  # (the AVX512-BF16 row dots would round float32 rows to bf16)
+    return Proj(codes[w.dtype], w.data_ptr(), None, _ptr(bias), *w.shape)
 
 
 class NativeDecoder:

@@ -12,6 +12,7 @@ import torch
 
 from engine import kernels
 from engine.config import ModelConfig
+from engine.kernels.float_matmul import rounds_rows
 from engine.layers.attention import PagedAttention
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.linear import Linear, pack_bf16, packed_linear
@@ -154,6 +155,9 @@ class LlamaForCausalLM(torch.nn.Module):
             and self.device.type == "cpu"
             and (int8 or cpu_isa.this_cpu().c_float_row_dots)
             and kernels.use_native(self.device)
+            # bf16 weights under float32 activations: not where the row dots are AVX512-BF16's,
+            # which round the rows to bf16 (kernels/float_matmul.py rounds_rows)
+            and not rounds_rows(self.weight_dtype, self.dtype)
         )
         self._native = None
         return self.native_decode
@@ -187,6 +191,41 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.lm_head is not None:
             self.lm_packed = pack_bf16(self.lm_head)
         return packed or self.lm_packed is not None
+
+    @torch.no_grad()
+    def store_weights_(self, dtype: torch.dtype) -> None:
+        """Keep every projection's weight and the embedding / LM head in ``dtype`` (bf16 or fp16)
+        while activations, norms, biases and the KV cache stay in the model's dtype (float32):
+        EngineConfig.weight_dtype. Products are of the stored weights, exact in float32 (the C
+        row dots widen them in registers, torch's GEMMs a tile at a time), so a decode step
+        streams half the bytes of float32 weights. Before binding a KV pool: the pool's model
+        digest hashes the weights as held."""
+        if dtype == self.dtype:
+            return
+        if self.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"weight_dtype: 16-bit weights take float32 activations, not {self.dtype} "
+                f"with {dtype} weights"
+            )
+        for layer in self.layers:
+            for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.store_weight_(dtype)
+        tied = self.lm_head is not None and self.lm_head is self.embed_tokens
+        if self.embed_tokens is not None:
+            self.embed_tokens = torch.nn.Parameter(self.embed_tokens.data.to(dtype), False)
+        if tied:
+            self.lm_head = self.embed_tokens
+        elif self.lm_head is not None:
+            self.lm_head = torch.nn.Parameter(self.lm_head.data.to(dtype), False)
+        self._native = None
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the projections' float weights are held in (store_weights_), or the model's."""
+        for layer in self.layers:
+            w = layer.qkv_proj.weight
+            return self.dtype if w is None else w.dtype
+        return self.dtype
 
     @torch.no_grad()
     def quantize_int8_(self) -> None:
@@ -236,7 +275,7 @@ class LlamaForCausalLM(torch.nn.Module):
                     f"stage {self.stage} embeds the tokens: pass input_ids, not hidden states"
                 )
             assert self.embed_tokens is not None
-            hidden = self.embed_tokens[input_ids]
+            hidden = self.embed_tokens[input_ids].to(self.dtype)
         elif input_ids is not None or hidden is None:
             raise ValueError(
                 f"stage {self.stage} starts at layer {self.layer_range.start}: pass the hidden "
@@ -262,7 +301,7 @@ class LlamaForCausalLM(torch.nn.Module):
             logits = int8_linear(hidden, self.lm_qweight, self.lm_scales, None).float()
         elif self.lm_packed is not None and hidden.dtype == torch.bfloat16:
             logits = packed_linear(hidden, self.lm_packed, None).float()
-        elif self.lm_head.dtype == torch.float32 == hidden.dtype:
+        elif hidden.dtype == torch.float32:  # float32 or 16-bit weights (store_weights_)
             logits = kernels.float_matmul(hidden, self.lm_head)  # C for a few rows on the CPU
         else:
             logits = torch.nn.functional.linear(hidden, self.lm_head).float()

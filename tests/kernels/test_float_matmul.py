@@ -4,6 +4,8 @@ logits take it."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -12,11 +14,15 @@ from engine import cpu_isa
 from engine.kernels import native
 from engine.kernels.float_matmul import (
     NATIVE_FLOAT_MAX_ROWS,
+    float_matmul_blocked,
     float_matmul_native,
     float_matmul_ref,
     native_max_rows,
+    rounds_rows,
 )
 
+# the module (engine.kernels.float_matmul, the name, is the dispatching function)
+fm = importlib.import_module("engine.kernels.float_matmul")
 needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 WEIGHTS = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -45,13 +51,21 @@ def test_matches_float_math(rows, in_features, w_dtype):
 
 
 @needs_cc
-@pytest.mark.parametrize("w_dtype", WEIGHTS)
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(w_dtype):
+@pytest.mark.parametrize(
+    "w_dtype, x_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),  # weight_dtype bf16 under float32 activations
+        (torch.float16, torch.float32),
+    ],
+    ids=["float32", "bf16", "bf16-weights-float32", "fp16-weights-float32"],
+)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(w_dtype, x_dtype):
     # What keeps n > 1 and batched decode equal to batch 1, bit for bit: each row's sums are
     # formed in the same order alone, in row-dot groups and in tiles of any shape.
-    # (bf16 weights take bf16 activations: with float32 ones the reference serves, see
-    # float_matmul_native)
-    x_dtype = torch.bfloat16 if w_dtype == torch.bfloat16 else torch.float32
+    if rounds_rows(w_dtype, x_dtype):
+        pytest.skip("AVX512-BF16 row dots: bf16 weights against float32 rows go to torch's GEMM")
     x, w = inputs(61, 576, x_dtype, w_dtype, NATIVE_FLOAT_MAX_ROWS, seed=1)
     rows = min(NATIVE_FLOAT_MAX_ROWS, max(1, native_max_rows()))
     together = float_matmul_native(x[:rows], w)
@@ -81,6 +95,46 @@ def test_native_stops_where_it_stops_paying(monkeypatch):
         assert limit == (NATIVE_FLOAT_MAX_ROWS if tiles else 8)
     x, w = inputs(30, 64, torch.float32, torch.float32, limit + 1, seed=3)
     assert torch.equal(float_matmul_native(x, w), float_matmul_ref(x, w))
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
+def test_blocked_widens_a_tile_at_a_time_to_the_references_products(monkeypatch, w_dtype):
+    # 16-bit weights against float32 rows beyond the C kernel's rows (prefill, large batches):
+    # a tile of weight rows widened at a time, never the whole weight (an LM head), each output
+    # the reference's dot of exact widened weights.
+    monkeypatch.setattr(fm, "FLOAT_TILE_BYTES", 32 * 100 * 4)  # tiles of 32 of 77 rows
+    x, w = inputs(77, 100, torch.float32, w_dtype, 40, seed=4)
+    widened = []
+    real = torch.Tensor.float
+
+    def spy(t):
+        widened.append(t.shape[0])
+        return real(t)
+
+    monkeypatch.setattr(torch.Tensor, "float", spy)
+    got = float_matmul_blocked(x, w)
+    monkeypatch.setattr(torch.Tensor, "float", real)
+    assert widened[1:] == [32, 32, 13]  # x itself first
+    exact = x.double() @ w.double().T
+    bound = (x.double().abs() @ w.double().abs().T) * 100 * 2.0**-24 + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+    torch.testing.assert_close(got, float_matmul_ref(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_cc
+def test_bf16_weights_keep_float32_rows_exact_on_every_row_dot_path():
+    # The AVX512-BF16 row dots take bf16 rows; float32 rows against bf16 weights must not be
+    # rounded to them (weight_dtype bf16 under float32), so there torch's tiles serve.
+    x, w = inputs(50, 576, torch.float32, torch.bfloat16, 4, seed=5)
+    x = x + 1e-3  # most values now need more than bf16's 8 bits
+    assert rounds_rows(torch.bfloat16, torch.float32) == (
+        native.row_dot_paths()["bf16"] == "avx512bf16"
+    )
+    assert not rounds_rows(torch.bfloat16, torch.bfloat16)
+    assert not rounds_rows(torch.float16, torch.float32)
+    exact = x.double() @ w.double().T
+    bound = (x.double().abs() @ w.double().abs().T) * 576 * 2.0**-24 + 1e-30
+    assert ((float_matmul_native(x, w).double() - exact).abs() <= bound).all()
 
 
 def test_bad_shapes_name_the_tensor():

@@ -83,8 +83,9 @@ def chat_answers(llm: LLM) -> list[str]:
         ("bfloat16", {}, 0.97),
         ("bfloat16", {"quantization": "int8"}, 0.95),
         ("float32", {"quantization": "int8"}, 0.95),  # float32 activations, KV cache, scales
+        ("float32", {"weight_dtype": "bfloat16"}, 0.97),  # bf16 weights, float32 everything else
     ],
-    ids=["bf16", "int8", "int8-float32"],
+    ids=["bf16", "int8", "int8-float32", "bf16-weights-float32"],
 )
 def test_top1_agreement_with_float32_and_chat_answers(reference, dtype, kw, min_agreement):
     ids, ref_top1 = reference
@@ -96,6 +97,9 @@ def test_top1_agreement_with_float32_and_chat_answers(reference, dtype, kw, min_
     # Teacher-forced one token at a time: decode steps, run by the C layers where they build and
     # pay (int8 weights on any CPU, bf16 weights where the row dots have AVX-512 or AVX2 paths).
     pays = "quantization" in kw or cpu_isa.this_cpu().c_float_row_dots
+    if "weight_dtype" in kw and native.compiler() is not None:
+        # not where the row dots are AVX512-BF16's, which round float32 rows to bf16
+        pays = pays and native.row_dot_paths()["bf16"] != "avx512bf16"
     assert llm.engine.runner.native_decode == (native.compiler() is not None and pays)
     decoded = llm.engine.prompt_logits(ids, chunk_size=1).argmax(-1)
     agree = (decoded == ref_top1).float().mean().item()
@@ -151,6 +155,60 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     assert EngineConfig(device="cpu", quantization="int8").resolved_dtype() == torch.bfloat16
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: bf16)
     assert EngineConfig(device="cpu", quantization="int8").resolved_dtype() == torch.bfloat16
+
+
+def test_weight_dtype_resolves_and_bad_ones_name_the_field(monkeypatch):
+    avx2 = cpu_isa.from_flags(cpu_isa._V3, "v3", "x86_64")
+    assert avx2.level == "avx2"
+    monkeypatch.setattr(cpu_isa, "this_cpu", lambda: avx2)
+    auto = EngineConfig(device="cpu")
+    assert (auto.resolved_dtype(), auto.resolved_weight_dtype()) == (torch.float32, torch.bfloat16)
+    assert "bfloat16 weights" in auto.dtype_reason()
+    # asked by name: float32 means float32 weights; weight_dtype float32 opts out under auto
+    exact = EngineConfig(device="cpu", dtype="float32")
+    assert exact.resolved_weight_dtype() == torch.float32
+    assert EngineConfig(device="cpu", weight_dtype="float32").resolved_weight_dtype() == (
+        torch.float32
+    )
+    fp16 = EngineConfig(device="cpu", dtype="float32", weight_dtype="float16")
+    assert fp16.resolved_weight_dtype() == torch.float16
+    assert "float16 weights as asked" in fp16.dtype_reason()
+    # int8: the quantized weights' scales are in the activation dtype
+    int8 = EngineConfig(device="cpu", quantization="int8")
+    assert int8.resolved_weight_dtype() == int8.resolved_dtype() == torch.bfloat16
+    with pytest.raises(ValueError, match="weight_dtype must be one of"):
+        EngineConfig(weight_dtype="int4")
+    with pytest.raises(ValueError, match="weight_dtype bfloat16 with quantization int8"):
+        EngineConfig(weight_dtype="bfloat16", quantization="int8")
+    with pytest.raises(ValueError, match="weight_dtype float16 with dtype bfloat16"):
+        EngineConfig(dtype="bfloat16", weight_dtype="float16")
+    v4bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    native_bf16 = cpu_isa.from_flags(v4bf16, "bf16", "x86_64")
+    monkeypatch.setattr(cpu_isa, "this_cpu", lambda: native_bf16)
+    assert EngineConfig(device="cpu").resolved_weight_dtype() == torch.bfloat16
+    with pytest.raises(ValueError, match="weight_dtype float16 with dtype auto"):
+        EngineConfig(device="cpu", weight_dtype="float16").resolved_weight_dtype()
+
+
+def test_bf16_weights_under_float32_are_held_so_and_named_in_the_kv_namespace():
+    from engine.kvstore.namespace import model_digest
+
+    llm = make("float32", weight_dtype="bfloat16")
+    model = llm.engine.model
+    layer = model.layers[0]
+    assert layer.qkv_proj.weight.dtype == torch.bfloat16 and model.embed_tokens.dtype == (
+        torch.bfloat16
+    )
+    assert model.lm_head is model.embed_tokens  # still tied: one copy
+    assert layer.input_layernorm.weight.dtype == torch.float32
+    assert llm.engine.runner.cache.kv.dtype == torch.float32
+    assert model.weight_dtype == torch.bfloat16
+    # KV from these weights is not float32 weights' KV: another namespace in a shared pool
+    exact = make("float32")
+    cfg = llm.engine.model_config
+    assert model_digest(cfg, model) != model_digest(cfg, exact.engine.model)
+    logits = llm.engine.prompt_logits(llm.tokenizer.encode("Hello there"))
+    assert logits.dtype == torch.float32
 
 
 @pytest.mark.slow

@@ -122,6 +122,34 @@ def test_float32_matches_the_torch_layers(shape, seq_lens):
     assert set(changed.nonzero().flatten().tolist()) == set(meta.slot_mapping.tolist())
 
 
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_weights_under_float32_match_the_torch_layers(w_dtype):
+    # weight_dtype: the weights rounded once to 16 bits, everything else float32. The C layer
+    # widens them exactly in registers, the torch layers a tile at a time (float_matmul): the
+    # same products, so the two agree to float32 noise, and both differ from the float32 model
+    # only by the weights' rounding.
+    if w_dtype == torch.bfloat16 and bf16_rows_rounded():
+        pytest.skip("AVX512-BF16 row dots: bf16 weights under float32 go to the torch layers")
+    model = random_model(torch.float32, bias=True)
+    full = both_paths(model, [3, 40, 290])[1]
+    model.store_weights_(w_dtype)
+    assert model.layers[0].qkv_proj.weight.dtype == w_dtype and model.lm_head.dtype == w_dtype
+    assert model.layers[0].qkv_proj.bias.dtype == torch.float32
+    (nh, nkv), (th, tkv), _, _ = both_paths(model, [3, 40, 290])
+    torch.testing.assert_close(nh, th, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(nkv, tkv, rtol=1e-4, atol=1e-4)
+    assert nh.dtype == nkv.dtype == torch.float32
+    assert not torch.equal(th, full[0])  # the weights were rounded ...
+    torch.testing.assert_close(th, full[0], rtol=0.05, atol=0.05)  # ... once, not the rows
+
+
+def test_16_bit_weights_need_float32_activations():
+    model = random_model(torch.bfloat16)
+    with pytest.raises(ValueError, match="weight_dtype"):
+        model.store_weights_(torch.float16)
+    model.store_weights_(torch.bfloat16)  # its own dtype: nothing to do
+
+
 def float32_twin(model):
     """A float32 model with exactly the weights ``model`` computes with (int8 dequantized)."""
     twin = random_model(torch.float32, bias=model.cfg.attention_bias)
@@ -163,6 +191,12 @@ def test_16_bit_and_int8_weights_are_as_accurate_as_the_torch_layers(dtype, int8
         torch.testing.assert_close(got.float(), exact, rtol=0.1, atol=0.1)
 
 
+def bf16_rows_rounded() -> bool:
+    """Whether the loaded row dots are AVX512-BF16's, which round float32 rows against bf16
+    weights (there the C layers do not take bf16 weights under float32 activations)."""
+    return native.row_dot_paths()["bf16"] == "avx512bf16"
+
+
 @pytest.mark.parametrize(
     "dtype, int8",
     [
@@ -171,15 +205,20 @@ def test_16_bit_and_int8_weights_are_as_accurate_as_the_torch_layers(dtype, int8
         (torch.float16, False),
         (torch.bfloat16, True),
         (torch.float32, True),
+        (torch.float32, "bf16-weights"),
     ],
-    ids=["float32", "bf16", "fp16", "int8", "int8-float32"],
+    ids=["float32", "bf16", "fp16", "int8", "int8-float32", "bf16-weights-float32"],
 )
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(dtype, int8):
     # Every weight code's row dots (gemv.h, on this CPU's path: AVX-512, AVX2 or loops) sum in
     # one order whatever the row count, and so does the rest of the layer: a sequence's hidden
     # state and KV must not depend on the sequences beside it (1 row, or 16 in two groups of 8).
     model = random_model(dtype, bias=True)
-    if int8:
+    if int8 == "bf16-weights":
+        if bf16_rows_rounded():
+            pytest.skip("AVX512-BF16 row dots: bf16 weights under float32 go to the torch layers")
+        model.store_weights_(torch.bfloat16)
+    elif int8:
         model.quantize_int8_()
     seq_lens = [7 * i + 3 for i in range(MAX_ROWS)]
     g = torch.Generator().manual_seed(5)
