@@ -25,6 +25,7 @@ class LLM:
         model: str = "default",
         *,
         dtype: str = "auto",
+        weight_dtype: str = "auto",  # the float weights' dtype (EngineConfig.weight_dtype)
         device: str = "auto",
         quantization: str | None = None,
         compile: bool = False,
@@ -43,6 +44,7 @@ class LLM:
         config = EngineConfig(
             model=model,
             dtype=dtype,
+            weight_dtype=weight_dtype,
             device=device,
             quantization=quantization,
             compile=compile,

@@ -2,6 +2,7 @@
 
     .venv/bin/python profiling/bench_step.py                       # batch 64 x 512, batch 1 x 4096
     .venv/bin/python profiling/bench_step.py --cases 64x512 16x4096 --dtype bfloat16 --profile
+    .venv/bin/python profiling/bench_step.py --weight-dtype float32 bfloat16 --prefill 1024
 
 Each case is BATCHxCONTEXT: BATCH sequences decode one token each over CONTEXT cached tokens
 (random KV in the paged cache; timing does not depend on the values). "attention" is the paged
@@ -154,7 +155,17 @@ def main() -> None:
         help="decoder layers: the engine's choice, torch, C (forced on), or torch and C in turn",
     )  # fmt: skip
     ap.add_argument("--floor", action="store_true", help="the batch-1 weight-streaming bound")
+    ap.add_argument(
+        "--weight-dtype", nargs="+", default=["auto"],
+        help="EngineConfig.weight_dtype; several: one engine each, their steps timed in turn",
+    )  # fmt: skip
+    ap.add_argument(
+        "--prefill", type=int, nargs="*", default=[],
+        help="also time prompts of these many tokens prefilled alone (one output token)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if len(args.weight_dtype) > 1 and args.layers != "engine":
+        raise SystemExit("--weight-dtype with several values times the engine's layers only")
     layers = ["torch", "c"] if args.layers == "both" else [args.layers]
     global CPU_TIME
     CPU_TIME = args.cpu_time
@@ -164,17 +175,26 @@ def main() -> None:
     if args.compile is not None:
         extra["compile"] = args.compile
     extra["pack_weights"] = args.pack_weights
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device="cpu",
-            cache=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
-            **extra,
+    engines = {
+        w: LLMEngine(
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                weight_dtype=w,
+                device="cpu",
+                # the prefill cases repeat one prompt: computed each time, never a cache hit
+                cache=CacheConfig(
+                    kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=False
+                ),
+                **extra,
+            )
         )
-    )
+        for w in args.weight_dtype
+    }
+    engine = next(iter(engines.values()))
+    weights = ", ".join(str(e.model.weight_dtype).removeprefix("torch.") for e in engines.values())
     print(
-        f"torch threads {torch.get_num_threads()}, dtype {engine.dtype}, "
+        f"torch threads {torch.get_num_threads()}, dtype {engine.dtype}, weights {weights}, "
         f"quantization {args.quantization}, compile {engine.runner.compiled}, "
         f"packed {bool(engine.runner.packed)}, "
         f"{'process CPU' if args.cpu_time else 'wall'} time, best of {args.reps}"
@@ -197,12 +217,60 @@ def main() -> None:
     print(" ".join(f"{h:>{w}s}" for h, w in zip(head, widths)))
     for case in args.cases:
         b, c = (int(x) for x in case.split("x"))
-        r = run_case(engine, b, c, args.reps, args.profile, layers)
+        if len(engines) > 1:
+            r = run_case_in_turn(engines, b, c, args.reps)
+        else:
+            r = run_case(engine, b, c, args.reps, args.profile, layers)
         for name, ms in r["steps_ms"].items():
             print(
                 f"{case:>16s} {name:>7s} {ms:9.1f} {r['attn_ms']:9.1f} "
                 f"{r['attn_ms'] / ms:11.1%} {b / ms * 1e3:8.1f} {ms / b:8.2f}"
             )
+    for tokens in args.prefill:
+        best = time_prefills(engines, tokens, args.reps)
+        for name, s in best.items():
+            print(f"prefill of {tokens} tokens, weights {name}: {s * 1e3:.0f} ms")
+
+
+def run_case_in_turn(engines: dict, batch: int, context: int, reps: int) -> dict:
+    """One decode step of every engine (by weight dtype), timed in turn; the attention column is
+    the first engine's (the weights do not change it)."""
+    fns = []
+    for e in engines.values():
+        ids, pos, meta = decode_inputs(
+            batch, context, e.cache.block_size, e.cache.num_blocks, e.model_config.vocab_size
+        )
+
+        @torch.inference_mode()
+        def step(e=e, ids=ids, pos=pos, meta=meta):
+            return e.model.compute_logits(e.runner.forward(ids, pos, meta)).float()
+
+        fns.append(step)
+    steps = timed_in_turn(fns, reps)
+    first = run_case(next(iter(engines.values())), batch, context, 1, False, ["engine"])
+    short = {torch.float32: "w:f32", torch.bfloat16: "w:bf16", torch.float16: "w:fp16"}
+    names = [short[e.model.weight_dtype] for e in engines.values()]
+    return {"attn_ms": first["attn_ms"], "steps_ms": {n: s * 1e3 for n, s in zip(names, steps)}}
+
+
+def time_prefills(engines: dict, tokens: int, reps: int) -> dict[str, float]:
+    """Best wall seconds of a ``tokens``-token prompt prefilled alone (one output token, prefix
+    caching off), each engine in turn."""
+    from engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    best: dict[str, float] = {}
+    for _ in range(max(1, reps)):
+        for e in engines.values():
+            ids = torch.randint(100, e.model_config.vocab_size, (tokens,), generator=g).tolist()
+            t0 = time.perf_counter()
+            e.add_request(ids, params)
+            while e.has_unfinished_requests():
+                e.step()
+            name = str(e.model.weight_dtype).removeprefix("torch.")
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+    return best
 
 
 if __name__ == "__main__":

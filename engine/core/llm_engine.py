@@ -137,8 +137,10 @@ class LLMEngine:
         self.weight_cache_hit = built.cache_hit
         model = self.model = built.model
         del built
-        # 16-bit weights under float32 activations (weight_dtype): before the KV pool binds, its
-        # namespace hashes the weights as held
+        # The weights as they will be held (int8, or 16-bit under float32 activations) before
+        # the KV pool binds: its namespace hashes them, so KV of other weights never loads.
+        if config.quantization == "int8":
+            model.quantize_int8_()
         model.store_weights_(config.resolved_weight_dtype())
         layers = len(model.layers)  # a stage's cache holds its own layers only
         plan = plan_cache(config, self.model_config, self.dtype, self.device, baseline, layers)

@@ -233,7 +233,10 @@ class LlamaForCausalLM(torch.nn.Module):
         in memory (it is the embedding table when tied): each step gathers from it only the rows
         of the top candidates, recomputed in float32 (see compute_logits), which recovers most of
         what int8 costs in top-1 agreement for a few KB read per token. Any model dtype: the
-        activations stay in it, and so do the scales (float32 ones for a float32 model)."""
+        activations stay in it, and so do the scales (float32 ones for a float32 model). Once:
+        a model already quantized is left as it is."""
+        if any(layer.qkv_proj.qweight is not None for layer in self.layers):
+            return
         for layer in self.layers:
             for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 lin.quantize_int8_()

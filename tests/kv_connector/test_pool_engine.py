@@ -123,6 +123,17 @@ def test_corrupt_ssd_record_is_recomputed(tmp_path, reference):
         llm.engine.check_integrity()
 
 
+def test_the_namespace_hashes_the_weights_as_held():
+    # float32, int8 and bf16 weights (under float32 activations) give different KV: engines of
+    # each sharing a pool must never load one another's blocks (int8 was quantized after the
+    # pool bound, so its namespace was the float weights' one)
+    ids = []
+    for kw in ({}, {"quantization": "int8"}, {"weight_dtype": "bfloat16"}):
+        with LLM(**ENGINE_ARGS, kv_pool="dram=64MiB", **kw) as llm:
+            ids.append(llm.engine.connector.store.namespace.id)
+    assert len(set(ids)) == 3
+
+
 def test_bad_pool_spec_names_the_part():
     with pytest.raises(ValueError, match="dram"):
         LLM(**ENGINE_ARGS, kv_pool="dram=lots")

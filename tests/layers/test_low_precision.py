@@ -190,7 +190,7 @@ def test_weight_dtype_resolves_and_bad_ones_name_the_field(monkeypatch):
         EngineConfig(device="cpu", weight_dtype="float16").resolved_weight_dtype()
 
 
-def test_bf16_weights_under_float32_are_held_so_and_named_in_the_kv_namespace():
+def test_bf16_weights_under_float32_are_held_so_and_named_in_the_kv_namespace(float32_llm):
     from engine.kvstore.namespace import model_digest
 
     llm = make("float32", weight_dtype="bfloat16")
@@ -204,9 +204,8 @@ def test_bf16_weights_under_float32_are_held_so_and_named_in_the_kv_namespace():
     assert llm.engine.runner.cache.kv.dtype == torch.float32
     assert model.weight_dtype == torch.bfloat16
     # KV from these weights is not float32 weights' KV: another namespace in a shared pool
-    exact = make("float32")
     cfg = llm.engine.model_config
-    assert model_digest(cfg, model) != model_digest(cfg, exact.engine.model)
+    assert model_digest(cfg, model) != model_digest(cfg, float32_llm.engine.model)
     logits = llm.engine.prompt_logits(llm.tokenizer.encode("Hello there"))
     assert logits.dtype == torch.float32
 
