@@ -4,12 +4,13 @@
     .venv/bin/python profiling/bench_step.py --cases 64x512 16x4096 --dtype bfloat16 --profile
     .venv/bin/python profiling/bench_step.py --weight-dtype float32 bfloat16 --prefill 1024
 
-Each case is BATCHxCONTEXT: BATCH sequences decode one token each over CONTEXT cached tokens
-(random KV in the paged cache; timing does not depend on the values). "attention" is the paged
-decode attention of every layer timed alone on the same inputs, through its Python launcher; its
-share is of the forward. Steps of up to 8 sequences of a 16-bit model run the C decoder layers
-(layers/native_decode.py), where the same attention kernel runs without the launcher, so there the
-column overstates it by the launcher's ~20 us per layer (ENGINE_KERNELS=torch: the torch layers).
+Each case is BATCHxCONTEXT: BATCH sequences decode one token each over CONTEXT cached tokens (random
+KV written into the paged cache's blocks first, so that the attention reads memory). "attention" is
+the paged decode attention of every layer timed alone on the same inputs (one layer's cache, through
+its Python launcher); its share is of the forward. Decode steps of up to 16 sequences (MAX_ROWS) run
+the C decoder layers (layers/native_decode.py), where the same attention kernel runs without the
+launcher, so there the column overstates it by the launcher's ~20 us per layer
+(ENGINE_KERNELS=torch: the torch layers).
 ``--profile`` adds torch.profiler's top ops by self CPU time. ``--layers both`` times every case's
 step through the torch layers and through the C decoder layers (forced on, whatever the engine
 chose), one step of each in turn, so that a shared machine's drift hits both alike; ``--floor``
@@ -47,6 +48,17 @@ def decode_inputs(batch: int, context: int, block_size: int, num_blocks: int, vo
     )
     ids = torch.randint(0, vocab, (batch,))
     return ids, pos, meta
+
+
+def fill_kv(engine, batch: int, context: int) -> None:
+    """Random values in the cache blocks a case reads, in every layer. Never written, they would
+    read as the kernel's shared zero page (one physical page for all of them, always in cache)
+    instead of memory, which the attention of a real step streams."""
+    bs = engine.cache.block_size
+    used = batch * -(-context // bs)
+    g = torch.Generator().manual_seed(0)
+    kv = engine.cache.kv
+    kv[:, :, :used].copy_(torch.randn(kv[:, :, :used].shape, generator=g).to(kv.dtype))
 
 
 def timed(fn, reps: int) -> float:
@@ -98,6 +110,7 @@ def run_case(
         batch, context, engine.cache.block_size, engine.cache.num_blocks, cfg.vocab_size
     )
     runner = engine.runner
+    fill_kv(engine, batch, context)
 
     def step():
         hidden = runner.forward(ids, pos, meta)
@@ -237,6 +250,7 @@ def run_case_in_turn(engines: dict, batch: int, context: int, reps: int) -> dict
     the first engine's (the weights do not change it)."""
     fns = []
     for e in engines.values():
+        fill_kv(e, batch, context)
         ids, pos, meta = decode_inputs(
             batch, context, e.cache.block_size, e.cache.num_blocks, e.model_config.vocab_size
         )
