@@ -35,7 +35,7 @@ class LLM:
         kv_cache_memory_gb: float | None = None,  # None: sized for the model (config.py)
         gpu_memory_utilization: float = 0.85,  # this process's share of its GPU (config.py)
         enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,  # None: the device's default (config.py)
         max_num_seqs: int = 128,
         seed: int = 0,
         show_progress: bool = False,

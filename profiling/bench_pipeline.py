@@ -7,7 +7,7 @@ Three clusters run side by side, each with one decode worker, and take turns pro
 (so a change of the host's load hits them alike); every prompt is fresh random tokens (no prefix
 hit anywhere), ``max_tokens=1``, streamed, warm:
 
-- ``single``: one prefill worker with its defaults (``--max-num-batched-tokens`` 2048);
+- ``single``: one prefill worker with its defaults (``--max-num-batched-tokens``: 1024 on the CPU);
 - ``single@chunk``: one prefill worker whose prefill budget is the group's chunk, the same work
   in the same pieces as the group (the reference for the bubble);
 - ``group``: ``--prefill 0 --prefill-groups 1 --stages N``, chunks of ``--chunk`` tokens.

@@ -139,3 +139,12 @@ def test_bad_input_raises_and_engine_keeps_serving(llm, make, field):
 def test_unknown_model_path():
     with pytest.raises(ValueError, match="does not exist"):
         LLM("/no/such/model.gguf")
+
+
+def test_step_budget_is_the_cpu_default_when_unset(llm):
+    # LLM() leaves max_num_batched_tokens unset: the engine fills in the CPU's default
+    # (config.py DEFAULT_MAX_NUM_BATCHED_TOKENS, measured on the chat load of bench_peer.py).
+    assert llm.engine.config.scheduler.max_num_batched_tokens == 1024
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 1024
+    long = llm.generate(["word " * 1500], SamplingParams(max_tokens=2))[0]  # 2 chunks
+    assert len(long.outputs[0].token_ids) == 2

@@ -103,7 +103,16 @@ ENGINE_FLAGS = (
             "each GPU for all its workers there, split evenly (docs/cluster.md)",
         },
     ),
-    EngineFlag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", 2048, {"type": int}),
+    EngineFlag(
+        "--max-num-batched-tokens",
+        "scheduler.max_num_batched_tokens",
+        None,
+        {
+            "type": int,
+            "help": "tokens per step, prompt chunks and decodes together (default: 1024 on the "
+            "CPU, 2048 on CUDA; config.py DEFAULT_MAX_NUM_BATCHED_TOKENS)",
+        },
+    ),
     EngineFlag("--max-num-seqs", "scheduler.max_num_seqs", 128, {"type": int}),
     EngineFlag(
         "--no-prefix-caching", "cache.enable_prefix_caching", True, {"action": "store_true"}, True

@@ -120,6 +120,11 @@ class LLMEngine:
             )
         # The GPU current first (Triton launches on it), its memory before the weights load.
         self.device = select_device(config.resolved_device())
+        # The step's token budget: the user's, else this device's default (config.py).
+        self._budget_set = config.scheduler.max_num_batched_tokens is not None
+        scheduler = config.scheduler.for_device(self.device.type)
+        config = dataclasses.replace(config, scheduler=scheduler)
+        self.config = config
         baseline = MemoryBaseline.take(self.device)
         self.dtype = config.resolved_dtype()
         torch.manual_seed(config.seed)
@@ -225,13 +230,16 @@ class LLMEngine:
         on = {True: "on", False: "off"}
         weights = self.config.quantization or str(self.model.weight_dtype).removeprefix("torch.")
         logger.info(
-            "%s; this engine: %s%s (%s), packed bf16 weights %s, C decoder layers %s",
+            "%s; this engine: %s%s (%s), packed bf16 weights %s, C decoder layers %s, "
+            "%d tokens per step (%s)",
             isa.describe(),
             dtype,
             f" with {weights} weights" if weights != dtype else "",
             self.config.dtype_reason(),
             on[bool(self.runner.packed)],
             on[bool(self.runner.native_decode)],
+            self.scheduler.config.max_num_batched_tokens,
+            "--max-num-batched-tokens" if self._budget_set else "the CPU default",
         )
         note = isa.slow_dtype_note(dtype)
         if note:

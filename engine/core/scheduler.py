@@ -49,6 +49,11 @@ class Scheduler:
         connector: KVConnector | None = None,
         prefill_only: bool = False,
     ) -> None:
+        if config.max_num_batched_tokens is None:
+            raise ValueError(
+                "max_num_batched_tokens: the Scheduler takes a number; "
+                "SchedulerConfig.for_device fills in the device's default"
+            )
         self.config = config
         self.prefill_only = prefill_only
         self.kv = kv

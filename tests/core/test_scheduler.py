@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,7 +61,7 @@ def test_token_budget_and_chunked_prefill():
 
 def test_prefix_hit_skips_cached_blocks():
     kv = KVCacheManager(64, 16)
-    sched = Scheduler(SchedulerConfig(), kv)
+    sched = Scheduler(SchedulerConfig().for_device("cpu"), kv)
     shared = list(range(64))
     done = []
     sched.add_request(make("a", shared + [1000, 1001], max_tokens=1))
@@ -75,7 +76,7 @@ def test_prefix_hit_skips_cached_blocks():
 
 def test_fully_cached_prompt_still_computes_last_token():
     kv = KVCacheManager(64, 16)
-    sched = Scheduler(SchedulerConfig(), kv)
+    sched = Scheduler(SchedulerConfig().for_device("cpu"), kv)
     done = []
     sched.add_request(make("a", list(range(32)), max_tokens=1))
     run(sched, done)
@@ -98,7 +99,7 @@ def test_preemption_under_tiny_budget_finishes_everything():
 
 def test_admission_leaves_a_watermark_for_running_requests():
     kv = KVCacheManager(10, 4)
-    sched = Scheduler(SchedulerConfig(), kv)
+    sched = Scheduler(SchedulerConfig().for_device("cpu"), kv)
     assert sched.watermark_blocks == 1
     sched.add_request(make("a", list(range(8)), max_tokens=8))  # 2 blocks
     sim_step(sched, [])
@@ -108,14 +109,14 @@ def test_admission_leaves_a_watermark_for_running_requests():
     sched.update_after_step(out)
     # Alone, a request may use every block.
     kv2 = KVCacheManager(8, 4)
-    sched2 = Scheduler(SchedulerConfig(), kv2)
+    sched2 = Scheduler(SchedulerConfig().for_device("cpu"), kv2)
     sched2.add_request(make("b", list(range(100, 132)), max_tokens=1))
     assert [s.num_tokens for s in sched2.schedule().scheduled] == [32]
 
 
 def test_abort_frees_every_block():
     kv = KVCacheManager(32, 4)
-    sched = Scheduler(SchedulerConfig(), kv)
+    sched = Scheduler(SchedulerConfig().for_device("cpu"), kv)
     reqs = [make(f"r{i}", list(range(i, i + 9)), max_tokens=50) for i in range(3)]
     for r in reqs:
         sched.add_request(r)
@@ -209,7 +210,7 @@ def test_prefix_exact_is_checked_again_after_a_preemption():
 
 def test_prefill_only_never_schedules_past_the_prompt():
     kv = KVCacheManager(8, 16)
-    sched = Scheduler(SchedulerConfig(), kv, prefill_only=True)
+    sched = Scheduler(SchedulerConfig().for_device("cpu"), kv, prefill_only=True)
     req = make("r", list(range(20)))
     sched.add_request(req)
     out = sched.schedule()
@@ -234,3 +235,21 @@ def test_a_waiting_request_with_nothing_ready_does_not_hold_up_the_queue():
     stuck.ready_tokens = 24
     (s,) = sched.schedule().scheduled
     assert (s.request, s.num_tokens) == (stuck, 24)
+
+
+def test_step_budget_defaults_per_device_and_the_scheduler_takes_a_number():
+    from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    unset = SchedulerConfig()
+    assert unset.max_num_batched_tokens is None
+    assert unset.for_device("cpu").max_num_batched_tokens == 1024
+    assert unset.for_device("cuda").max_num_batched_tokens == 2048
+    assert DEFAULT_MAX_NUM_BATCHED_TOKENS == {"cpu": 1024, "cuda": 2048}
+    mine = SchedulerConfig(max_num_batched_tokens=300)
+    assert mine.for_device("cpu") is mine and mine.for_device("cuda") is mine
+    with pytest.raises(ValueError, match="max_num_batched_tokens: no default for device type"):
+        unset.for_device("mps")
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be > 0"):
+        SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens: the Scheduler takes a number"):
+        Scheduler(unset, KVCacheManager(8, 4))
