@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import NamedTuple
 
@@ -76,7 +77,10 @@ def plan_cache(
         mem: DeviceMemory | None = None
         if device.type == "cuda":
             baseline = baseline or MemoryBaseline.take(device)
-            mem = baseline.measure(device, activation_reserve(config, model, dtype))
+            # The activations of a step of the budget the engine will run (the device's default
+            # when unset, config.py DEFAULT_MAX_NUM_BATCHED_TOKENS).
+            sized = dataclasses.replace(config, scheduler=config.scheduler.for_device(device.type))
+            mem = baseline.measure(device, activation_reserve(sized, model, dtype))
         else:
             seqs = config.scheduler.max_num_seqs
             cc, chosen = cc.sized_for(per_block // cc.block_size, max_len, seqs)

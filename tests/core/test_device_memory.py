@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -103,6 +105,13 @@ def test_plan_on_cuda_gives_the_kv_cache_the_share_minus_what_is_held(monkeypatc
     # --kv-cache-memory-gb on CUDA: that size
     plan = plan_cache(engine_config(kv_cache_memory_gb=1.0), MODEL, torch.bfloat16, device, base)
     assert plan.num_blocks == GIB // per_block
+    # The step budget unset: the activations reserved are those of CUDA's default budget (2048)
+    unset = EngineConfig(device="cuda:0", cache=CacheConfig(gpu_memory_utilization=0.45))
+    cuda2048 = dataclasses.replace(unset, scheduler=SchedulerConfig(max_num_batched_tokens=2048))
+    reserve = activation_reserve(cuda2048, MODEL, torch.bfloat16)
+    assert reserve > activation_reserve(config, MODEL, torch.bfloat16)  # more than 512's
+    plan = plan_cache(unset, MODEL, torch.bfloat16, device, base)
+    assert plan.num_blocks == (int(0.45 * 80 * GIB) - 4 * GIB - reserve) // per_block
 
 
 def test_plan_refuses_a_cache_too_small_for_max_model_len(monkeypatch):
