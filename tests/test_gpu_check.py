@@ -59,6 +59,7 @@ def test_bundle_model_fits_and_loads(bundle):
     assert len(out.outputs[0].token_ids) == 4
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_e2e_steps_pass_on_cpu(bundle, tmp_path):
     out = tmp_path / "e2e"
     cmd = [sys.executable, "profiling/gpu_e2e.py", "--device", "cpu"]

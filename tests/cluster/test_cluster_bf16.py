@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from engines import run_all
 
 from engine.cluster.launcher import Cluster
@@ -20,6 +21,7 @@ WORKER_ARGS = ["--kv-cache-memory-gb", "0.25", "--max-num-batched-tokens", "64",
                "--kv-staging-mb", "128", "--dtype", "bfloat16"]  # fmt: skip
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_bf16_cluster_equals_colocated_one_request_at_a_time():
     engine = LLMEngine(
         EngineConfig(

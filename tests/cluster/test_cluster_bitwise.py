@@ -48,6 +48,7 @@ def signature(out):
     )
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
 def test_seeded_logprobs_bitwise_equal_colocated(dtype, tmp_path, monkeypatch):
     monkeypatch.setenv("ENGINE_WEIGHT_CACHE_DIR", str(tmp_path / "weights"))

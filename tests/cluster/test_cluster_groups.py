@@ -100,6 +100,7 @@ def run_group(stages: int) -> None:
     assert want[3][3] >= 256  # the last one reused the shared prefix (on every stage)
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_a_two_stage_group_equals_colocated_serving():
     run_group(2)
 

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import pytest
 from cluster_checks import collect
 
 from engine.cluster.launcher import Cluster
@@ -45,6 +46,7 @@ def idle(cluster: Cluster, timeout: float = 20.0) -> dict:
         time.sleep(0.3)
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_a_stage_killed_mid_prefill_is_retried_elsewhere_and_leaks_nothing():
     prompt = [100 + (i * 37) % 30000 for i in range(2000)]  # 16 chunks through the group
     with Cluster(1, 1, worker_args=ARGS, router_config=ROUTER, prefill_groups=1,

@@ -146,6 +146,7 @@ def _generate(engine, prompts):
     return [final[r] for r in rids]
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_graph_tokens_equal_eager(engine, monkeypatch):
     assert engine.runner.graphs is None  # CPU: no graphs unless asked for
     eager = {n: _generate(engine, PROMPTS[:n]) for n in (1, 3, 5)}

@@ -236,6 +236,7 @@ def test_attention_has_the_vector_path_of_this_cpu_under_its_cap():
         assert native.attention_path() == "avx2"
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_build_is_cached_and_a_failed_build_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "_state", {})

@@ -32,6 +32,7 @@ def _row(out: str, start: str) -> list[float]:
     return [float(x) for x in re.findall(r"-?\d+\.\d+", line[len(start) :])][:5]
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_netlab_transfer_and_overlap_tables():
     argv = [
         sys.executable, SCRIPT, "--netlab", "200mbit", "--transfer-tokens", "64",

@@ -106,6 +106,7 @@ def keys(tmp_path):
     return path
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_three_hosts_tcp_same_hostname_with_a_pool(tmp_path, keys, colocated):
     health = run_cluster(tmp_path, keys, colocated, mooncake=False)
     prefill = next(w for w in health["workers"].values() if w["role"] == "prefill")

@@ -352,6 +352,7 @@ def _partition(
         raise
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_decode_link_down_5s_mid_transfer(lab, tmp_path):
     """c's link goes down for 5 s while b prefills and streams KV to c."""
     _partition(lab, tmp_path, "c", 5.0, after_first=False, silent=False)
@@ -390,6 +391,7 @@ SLOW_DEADLINE_S = 3.0  # six ~12 MB transfers at once take ~6 s at 100 Mbit/s
 LATE = "did not finish within its deadline"  # the decode worker's log, per late transfer
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_slow_link_transfer_outlives_its_deadline(lab, tmp_path):
     """c's link shaped to 100 Mbit/s and the router's ``--transfer-deadline`` at 3 s: the KV of
     six requests sent at once (~75 MB) cannot all arrive in time. A late transfer makes the

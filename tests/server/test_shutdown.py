@@ -178,6 +178,7 @@ class _LongPrompt(_Stream):
             self.first.set()
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_drain_deadline_holds_with_a_long_prefill_waiting():
     """SIGTERM while a short stream runs and a long prompt waits for its turn: the drain
     deadline is kept (the prefill is chunked to fit what is left of it instead of starting a
