@@ -34,6 +34,7 @@ def bundle(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_dry_run_names_every_step():
     proc = run(["bash", "profiling/gpu_check.sh", "--dry-run"], 60)
     assert proc.returncode == 0, proc.stderr

@@ -187,6 +187,7 @@ def test_chunked_prefill_gives_the_same_outputs(prompt, greedy_json):
     chunked.close()
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_preemption_keeps_outputs_valid_and_unchanged(prompt, greedy_json):
     most = max(len(o.outputs[0].token_ids) for o in greedy_json)  # each stops by itself
     blocks = -(-(len(prompt) + most) // 16) + 1  # one request fits, four at once do not

@@ -61,6 +61,7 @@ def test_shapes(heads, kv_heads, head_dim, block_size, dtype, num_splits):
     check([5, 130, 64, 33], heads, kv_heads, head_dim, block_size, dtype, num_splits=num_splits)
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_many_empty_splits():
     # 16 splits over sequences of 1..40 tokens: most splits have no work and must weigh nothing.
     check([1, 2, 40], 9, 3, 64, 16, torch.float32, num_splits=16)
@@ -68,6 +69,7 @@ def test_many_empty_splits():
     check([3, 200], 4, 1, 64, 16, torch.float16, num_splits=10_000)
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_fixed_grid_as_under_a_cuda_graph():
     # A CUDA graph freezes the launch: splits sized for max_model_len, the batch padded to its
     # bucket with rows of length 0 (block table rows of zeros), the table as wide as

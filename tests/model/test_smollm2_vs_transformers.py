@@ -94,6 +94,7 @@ def engine_greedy(engine, prompts: list[list[int]], steps: int) -> list[list[int
     return [final[r] for r in rids]
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_greedy_tokens_match_transformers_alone_and_batched(engine, hf_model):
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) > 1  # mixed lengths

@@ -212,6 +212,7 @@ def test_drain_deadline_holds_with_a_long_prefill_waiting():
         _stop(proc)
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_second_sigterm_exits_cleanly():
     """A second SIGTERM aborts what is in flight at the end of the current step and exits 0:
     no C++ abort (exit 134), and the client's stream ends with finish_reason "abort"."""

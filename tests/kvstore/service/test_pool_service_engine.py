@@ -69,6 +69,7 @@ def test_second_engine_process_loads_from_the_service(reference):
         stop(service)
 
 
+@pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
 def test_dead_service_means_recompute_then_reconnect(reference, caplog):
     port = free_port()
     service = start_service("--dram", "64MiB", "--port", str(port))
