@@ -49,6 +49,16 @@
 #define GEMV_MAX_ROWS 8
 #define GEMV_BLOCK 256 /* activation values per int16 scale; 16 products per int32 lane */
 #define W_I8 3         /* int8 weight rows (per-row scales applied by the caller) */
+/* One activation row against int8 weights on AVX2: the weights GEMV_I8_PF_BYTES ahead are
+   prefetched as the dot goes (into the rows after it, which the same thread takes next). There
+   the kernel's own work per byte (sign extension, vpmaddwd) is near what the memory delivers and
+   the hardware prefetcher alone lags: the default model's 120 projections streamed from memory,
+   2 threads, 60 runs interleaved, Zen 3 EPYC: median 8.4-8.9 ms (12-13 GB/s) without, 6.3-6.8
+   with 2-8 KB ahead (16-17 GB/s; a plain read of the same bytes: 19 GB/s). float32 weights gain
+   ~5% at most, so their path has none. */
+#ifndef GEMV_I8_PF_BYTES
+#define GEMV_I8_PF_BYTES 4096
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define GEMV_VNNI 1
@@ -313,11 +323,13 @@ static inline void float_tiles(int wt, const float *x0, int rows, int64_t K, con
 static inline __attribute__((always_inline)) void block_i8_avx2(const Acts *a, int m0, int R,
                                                                 const int8_t *w, int64_t blk,
                                                                 int64_t k0, int64_t k1,
-                                                                __m256 accf[2][GEMV_MAX_ROWS]) {
+                                                                __m256 accf[2][GEMV_MAX_ROWS],
+                                                                int64_t pf) {
     const int64_t K = a->K;
     __m256i acc[2][4];
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_si256();
     for (int64_t k = k0; k + 32 <= k1; k += 32) {
+        if (pf) __builtin_prefetch(w + k + pf, 0, 0);
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
         for (int r = 0; r < R; r++) {
@@ -440,9 +452,10 @@ static inline __attribute__((always_inline)) void dots_i8(const Acts *a, int row
         }
 #elif defined(GEMV_AVX2)
         int m0 = 0; /* rows in sets of 4 (a constant row count unrolls this) */
-        for (; m0 + 4 <= rows; m0 += 4) block_i8_avx2(a, m0, 4, w, blk, k0, k1, accf);
-        if (rows - m0 >= 2) block_i8_avx2(a, m0, 2, w, blk, k0, k1, accf), m0 += 2;
-        if (rows - m0 == 1) block_i8_avx2(a, m0, 1, w, blk, k0, k1, accf);
+        for (; m0 + 4 <= rows; m0 += 4) block_i8_avx2(a, m0, 4, w, blk, k0, k1, accf, 0);
+        if (rows - m0 >= 2) block_i8_avx2(a, m0, 2, w, blk, k0, k1, accf, 0), m0 += 2;
+        if (rows - m0 == 1)
+            block_i8_avx2(a, m0, 1, w, blk, k0, k1, accf, rows == 1 ? GEMV_I8_PF_BYTES : 0);
         k = k0 + (k1 - k0) / 32 * 32;
 #endif
         for (int m = 0; m < rows; m++) {
