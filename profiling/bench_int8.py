@@ -5,6 +5,7 @@ sizes, and a whole prefill, against dequantize + 16-bit GEMM (the path before in
     .venv/bin/python profiling/bench_int8.py --prefill-rows 64 512 2048 [--reps 5]
     .venv/bin/python profiling/bench_int8.py --prompts 1024 2048 [--reps 3]
     .venv/bin/python profiling/bench_int8.py --prompts 1024 --int8-dtypes bfloat16 float32
+    .venv/bin/python profiling/bench_int8.py --prefetch [--reps 60]
 
 Decode sizes: runs every projection of the default model's 30 layers in turn (qkv 576->1728, o
 576->576, gate_up 576->3072, down 1536->576: 120 int8 weights, 119 MB, more than the caches hold),
@@ -15,8 +16,11 @@ shape of the default model (qkv 576->960, o 576->576, 576->1536, gate_up 576->30
 prefill of a prompt of each length (one token generated, prefix caching off) by the default model
 with the default dtype, with int8 weights before, and with int8 weights as the engine runs them
 now, alternating; best of --reps. ``--int8-dtypes auto bfloat16 float32``: with int8 weights and
-each of these activation dtypes instead of before and now. Set ENGINE_CPU_ISA in the environment
-to cap the CPU class.
+each of these activation dtypes instead of before and now. ``--prefetch``: the C row dots alone at
+one activation row over the same 30 layers, with gemv.h's prefetch and without, in turn (a C
+harness, profiling/gemv_prefetch.c, built with the engine's compiler and target flags; the
+prefetch is the AVX2 int8 path's, so on AVX512-VNNI both are the same code); best and median of
+--reps passes. Set ENGINE_CPU_ISA in the environment to cap the CPU class.
 """
 
 from __future__ import annotations
@@ -102,6 +106,36 @@ def bench_prompts(lengths: list[int], reps: int, int8_dtypes: list[str] | None) 
         print(f"{length:>7} " + " ".join(f"{best[n] * 1e3:>14.1f}" for n in runs), flush=True)
 
 
+def bench_prefetch(reps: int) -> None:
+    import os
+    import subprocess
+    import tempfile
+
+    from engine.kernels import native
+
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit("--prefetch needs a C compiler (cc or $CC)")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_prefetch.c")
+    include = os.path.dirname(os.path.abspath(native.__file__))
+    flags = [*native.compile_flags(), f"-I{include}"]
+    flags = [f for f in flags if f not in ("-shared", "-fPIC")]
+    with tempfile.TemporaryDirectory() as tmp:
+        objs = []
+        for name, defines in (
+            ("default", ["-DPASS=pass_default"]),
+            ("off", ["-DPASS=pass_off", "-DGEMV_I8_PF_BYTES=0"]),
+            ("main", ["-DMAIN"]),
+        ):
+            obj = os.path.join(tmp, f"{name}.o")
+            subprocess.run([cc, *flags, *defines, "-c", src, "-o", obj], check=True)
+            objs.append(obj)
+        exe = os.path.join(tmp, "gemv_prefetch")
+        subprocess.run([cc, "-fopenmp", *objs, "-o", exe, "-lm"], check=True)
+        threads = torch.get_num_threads()
+        subprocess.run([exe, str(reps), str(threads)], check=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -110,7 +144,12 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, nargs="+", help="prefills of these lengths instead")
     ap.add_argument("--int8-dtypes", nargs="+", help="--prompts: int8 with these dtypes (auto, "
                     "bfloat16, float32) instead of the many-row path before and now")  # fmt: skip
+    ap.add_argument("--prefetch", action="store_true", help="the C row dots with gemv.h's "
+                    "prefetch and without, at one row, in a C harness")  # fmt: skip
     args = ap.parse_args()
+    if args.prefetch:
+        bench_prefetch(args.reps)
+        return 0
     if args.prefill_rows:
         bench_prefill_rows(args.prefill_rows, args.reps)
         return 0

@@ -117,3 +117,22 @@ def test_bench_peer_isa_runs_itself_under_the_cap():
     )
     assert out.returncode != 0 and "model path /no.gguf does not exist" in out.stderr
     assert "ISA level avx2" in out.stdout.splitlines()[0]
+
+
+def test_bench_int8_prefetch_builds_and_times_both_passes():
+    """``bench_int8.py --prefetch`` builds its C harness against the engine's gemv.h with the
+    engine's compiler flags and times the row dots with their prefetch and without."""
+    from engine.kernels import native
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    out = subprocess.run(
+        [sys.executable, os.path.join(PROFILING, "bench_int8.py"), "--prefetch", "--reps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split()[-1] for line in out.stdout.splitlines()[2:]}
+    assert set(rows) == {"on", "off"}
+    assert all(float(gbs) > 0 for gbs in rows.values())
