@@ -15,7 +15,10 @@ output length with ignore_eos; warm-up requests first):
 llama-server runs with the model's GGUF, 16 slots (``-np``), continuous batching and the same
 thread count; transformers runs float32 (its reference dtype) `generate` on padded batches of 16
 (static batching; TTFT = until its batch's first token). Ratios are against llama-server when it
-ran. Building llama-server: see docs/cpu.md ("Comparing with llama.cpp").
+ran. ``--rounds N`` runs each workload N times (new prompts each time: seed + round),
+llama-server and the engine in turn, the order reversed every other round, and reports each
+round and the medians: on a shared machine one run of each drifts by 10-20%. Building
+llama-server: see docs/cpu.md ("Comparing with llama.cpp").
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 
 from engine.bench.machine import ceilings
 from engine.bench.serve import load_tokenizer
+from engine.bench.summary import median_over_rounds, round_order
 from engine.bench.workload import WORDS
 from engine.ipc.ports import free_port
 
@@ -291,6 +295,21 @@ def engine_bytes_per_param(engine_args: str) -> float:
     return float(config.resolved_weight_dtype().itemsize)
 
 
+def print_table(w: str, rows: dict, n: int, n_in: int, out_len: int, conc: int, label: str):
+    print(
+        f"\n{w}{label}: {n} requests, {n_in} prompt tokens, {out_len} output tokens each, "
+        f"concurrency {conc}"
+    )
+    print(
+        "| server | output tok/s | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 "
+        "| throughput vs llama-server | TTFT p50 vs llama-server |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    base = rows.get("llama-server")
+    for name, r in rows.items():
+        print(fmt_row(name, r, base))
+
+
 def fmt_row(name: str, r: dict, base: dict | None) -> str:
     ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}x" if base else "-"
     tt = f"{r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x" if base else "-"
@@ -311,6 +330,9 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="run each workload this many times, "
+                    "both servers in turn each time (the order reversed every other round); "
+                    "the figures and ratios are the medians over the rounds")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--log-prefix", default="/tmp/bench_peer_", help="server logs go here")
     ap.add_argument(
@@ -321,6 +343,8 @@ def main() -> int:
         "built for the same class: docs/cpu.md)",
     )
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.isa and os.environ.get("ENGINE_CPU_ISA") != args.isa:
         # torch and oneDNN read their caps once, when first imported: start again under the cap
         env = {**os.environ, "ENGINE_CPU_ISA": args.isa}
@@ -347,31 +371,39 @@ def main() -> int:
             print(f"llama-server healthy after {servers['llama-server'].start_s:.1f} s")
         hf = None if args.skip_hf else hf_load(gguf, args.threads)
         for w in args.workloads:
-            prompts, out_len, conc = workload(w, tok, args.seed, args.scale)
-            rows = {}
-            # llama-server first: on a shared machine, alternating keeps drifts from favouring one
-            for name in ("llama-server", "engine"):
-                if name in servers:
-                    s = servers[name]
-                    rows[name] = asyncio.run(http_load(s.url, s.model_id(), prompts, out_len, conc))
-                    print(f"{w} {name}: {json.dumps(rows[name])}", flush=True)
-            if hf is not None:
-                pad = tok.eos_token_ids[0]
-                rows["transformers fp32"] = hf_load_run(hf, prompts, out_len, pad, CONCURRENCY)
+            rounds = []
+            for i in range(args.rounds):
+                # new prompts every round (seed + round): a repeat would hit the prefix caches
+                prompts, out_len, conc = workload(w, tok, args.seed + i, args.scale)
+                n_in = sum(len(p) for p in prompts)
+                rows = {}
+                # Each round both servers in turn, the order reversed every other round (ABBA):
+                # on a shared machine a drift then favours neither.
+                for name in round_order(["llama-server", "engine"], i):
+                    if name in servers:
+                        s = servers[name]
+                        r = asyncio.run(http_load(s.url, s.model_id(), prompts, out_len, conc))
+                        rows[name] = r
+                        print(f"{w} {name}: {json.dumps(r)}", flush=True)
+                if hf is not None and i == 0:
+                    pad = tok.eos_token_ids[0]
+                    rows["transformers fp32"] = hf_load_run(hf, prompts, out_len, pad, CONCURRENCY)
+                rounds.append(rows)
+                label = f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""
+                print_table(w, rows, len(prompts), n_in, out_len, conc, label)
+            rows = median_over_rounds(rounds)
+            if args.rounds > 1:
+                print_table(w, rows, len(prompts), n_in, out_len, conc, " (median of rounds)")
+                if "llama-server" in rows:
+                    per = [r["engine"]["output_tok_s"] / r["llama-server"]["output_tok_s"]
+                           for r in rounds]  # fmt: skip
+                    dec = [r["llama-server"]["tpot_p50_ms"] / r["engine"]["tpot_p50_ms"]
+                           for r in rounds]  # fmt: skip
+                    per_s = ", ".join(f"{x:.2f}x" for x in per)
+                    dec_s = ", ".join(f"{x:.2f}x" for x in dec)
+                    print(f"{w} per round: throughput {per_s}; decode (1/TPOT p50) {dec_s}")
             res["workloads"][w] = rows
-            n_in = sum(len(p) for p in prompts)
-            print(
-                f"\n{w}: {len(prompts)} requests, {n_in} prompt tokens, {out_len} output tokens "
-                f"each, concurrency {conc}"
-            )
-            print(
-                "| server | output tok/s | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 "
-                "| throughput vs llama-server | TTFT p50 vs llama-server |"
-            )
-            print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-            base = rows.get("llama-server")
-            for name, r in rows.items():
-                print(fmt_row(name, r, base))
+            res.setdefault("rounds", {})[w] = rounds
     finally:
         for s in servers.values():
             s.stop()

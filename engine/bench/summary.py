@@ -1,6 +1,8 @@
 """The figures of a serving benchmark run (engine/bench/serve.py), as vLLM's ``bench serve``
 defines them: TTFT, TPOT, ITL and e2e latency (mean, median, std, percentiles), throughput and
-goodput (``summarize``), their table (``print_result``) and latency over time (``plot``)."""
+goodput (``summarize``), their table (``print_result``) and latency over time (``plot``); and
+for runs repeated in rounds on a shared machine, the order of the systems in each round
+(``round_order``) and each figure's median over the rounds (``median_over_rounds``)."""
 
 from __future__ import annotations
 
@@ -133,3 +135,24 @@ def plot(summaries: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def round_order(names: list[str], i: int) -> list[str]:
+    """The systems' order in round ``i`` (from 0): as given in even rounds, reversed in odd
+    ones (ABBA), so that a machine drifting faster or slower over the run favours none."""
+    return list(names) if i % 2 == 0 else list(reversed(names))
+
+
+def median_over_rounds(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """``rounds``: per round, each system's figures by name. Returns each system's figures, the
+    median of each over the rounds the system ran in, systems in the first round's order."""
+    if not rounds:
+        raise ValueError("median_over_rounds: no rounds")
+    names = list(dict.fromkeys(n for r in rounds for n in r))
+    return {
+        name: {
+            key: float(np.median([r[name][key] for r in rounds if name in r]))
+            for key in next(r[name] for r in rounds if name in r)
+        }
+        for name in names
+    }
