@@ -17,10 +17,10 @@ prefill of a prompt of each length (one token generated, prefix caching off) by 
 with the default dtype, with int8 weights before, and with int8 weights as the engine runs them
 now, alternating; best of --reps. ``--int8-dtypes auto bfloat16 float32``: with int8 weights and
 each of these activation dtypes instead of before and now. ``--prefetch``: the C row dots alone at
-one activation row over the same 30 layers, with gemv.h's prefetch and without, in turn (a C
-harness, profiling/gemv_prefetch.c, built with the engine's compiler and target flags; the
-prefetch is the AVX2 int8 path's, so on AVX512-VNNI both are the same code); best and median of
---reps passes. Set ENGINE_CPU_ISA in the environment to cap the CPU class.
+one activation row over the same 30 layers, int8 and bf16 weights, with gemv.h's prefetch and
+without, in turn (a C harness, profiling/gemv_prefetch.c, built with the engine's compiler and
+target flags; the prefetch is the AVX2 paths', so with AVX-512 both are the same code); best and
+median of --reps passes. Set ENGINE_CPU_ISA in the environment to cap the CPU class.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def bench_prefetch(reps: int) -> None:
         objs = []
         for name, defines in (
             ("default", ["-DPASS=pass_default"]),
-            ("off", ["-DPASS=pass_off", "-DGEMV_I8_PF_BYTES=0"]),
+            ("off", ["-DPASS=pass_off", "-DGEMV_PF_BYTES=0"]),
             ("main", ["-DMAIN"]),
         ):
             obj = os.path.join(tmp, f"{name}.o")
@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--int8-dtypes", nargs="+", help="--prompts: int8 with these dtypes (auto, "
                     "bfloat16, float32) instead of the many-row path before and now")  # fmt: skip
     ap.add_argument("--prefetch", action="store_true", help="the C row dots with gemv.h's "
-                    "prefetch and without, at one row, in a C harness")  # fmt: skip
+                    "prefetch and without, at one row, int8 and bf16, in a C harness")  # fmt: skip
     args = ap.parse_args()
     if args.prefetch:
         bench_prefetch(args.reps)

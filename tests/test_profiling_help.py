@@ -121,7 +121,8 @@ def test_bench_peer_isa_runs_itself_under_the_cap():
 
 def test_bench_int8_prefetch_builds_and_times_both_passes():
     """``bench_int8.py --prefetch`` builds its C harness against the engine's gemv.h with the
-    engine's compiler flags and times the row dots with their prefetch and without."""
+    engine's compiler flags and times the row dots, int8 and bf16 weights, with their prefetch
+    and without."""
     from engine.kernels import native
 
     if native.compiler() is None:
@@ -133,6 +134,6 @@ def test_bench_int8_prefetch_builds_and_times_both_passes():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    rows = {line.split()[0]: line.split()[-1] for line in out.stdout.splitlines()[2:]}
-    assert set(rows) == {"on", "off"}
+    rows = {tuple(line.split()[:2]): line.split()[-1] for line in out.stdout.splitlines()[2:]}
+    assert set(rows) == {(w, p) for w in ("int8", "bfloat16") for p in ("on", "off")}
     assert all(float(gbs) > 0 for gbs in rows.values())

@@ -49,15 +49,18 @@
 #define GEMV_MAX_ROWS 8
 #define GEMV_BLOCK 256 /* activation values per int16 scale; 16 products per int32 lane */
 #define W_I8 3         /* int8 weight rows (per-row scales applied by the caller) */
-/* One activation row against int8 weights on AVX2: the weights GEMV_I8_PF_BYTES ahead are
-   prefetched as the dot goes (into the rows after it, which the same thread takes next). There
-   the kernel's own work per byte (sign extension, vpmaddwd) is near what the memory delivers and
-   the hardware prefetcher alone lags: the default model's 120 projections streamed from memory,
-   2 threads, 60 runs interleaved, Zen 3 EPYC: median 8.4-8.9 ms (12-13 GB/s) without, 6.3-6.8
-   with 2-8 KB ahead (16-17 GB/s; a plain read of the same bytes: 19 GB/s). float32 weights gain
-   ~5% at most, so their path has none. */
-#ifndef GEMV_I8_PF_BYTES
-#define GEMV_I8_PF_BYTES 4096
+/* One activation row on AVX2 (int8 weights without VNNI, 16-bit and float32 weights without
+   AVX-512): the weights GEMV_PF_BYTES ahead are prefetched as the dot goes (into the rows after
+   it, which the same thread takes next; every caller's weight rows are contiguous). There the
+   kernel's own work per byte (sign extension and vpmaddwd for int8, widening and FMAs for bf16)
+   is near what the memory delivers and the hardware prefetcher alone lags. The default model's
+   120 projections streamed from memory at one row, 2 threads, a Zen 3 EPYC, passes of each in
+   turn (profiling/bench_int8.py --prefetch): int8 median 8.4-8.9 -> 6.3-6.8 ms (12-13 -> 16-17
+   GB/s; a plain read of the same bytes: 19), bf16 17.0-17.5 -> 14.6-14.9 ms; float32 ~5-10%
+   (2 KB to 8 KB ahead all helped int8; bf16 was best at 4 KB). Several rows: decode_layer.c
+   prefetches whole rows ahead (PF_ROWS). */
+#ifndef GEMV_PF_BYTES
+#define GEMV_PF_BYTES 4096
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -276,7 +279,11 @@ static inline __attribute__((always_inline)) void tile_float_avx2(int wt, const 
 static inline __attribute__((always_inline)) void dots_float_avx2(int wt, const float *xf,
                                                                   int64_t K, int rows,
                                                                   const void *w, float *out) {
-    tile_float_avx2(wt, xf, K, rows, 1, (const char *)w, 0, out, 1, 0);
+    /* one row: prefetch the rows after this one, ~GEMV_PF_BYTES ahead (above) */
+    const int64_t row = K * (wt == DT_F32 ? 4 : 2);
+    const int pf =
+        rows == 1 && GEMV_PF_BYTES > 0 && row > 0 ? (int)((GEMV_PF_BYTES + row - 1) / row) : 0;
+    tile_float_avx2(wt, xf, K, rows, 1, (const char *)w, row, out, 1, pf);
 }
 
 #define GEMV_TILE_BY_ROWS(WT, C)                                                                  \
@@ -455,7 +462,7 @@ static inline __attribute__((always_inline)) void dots_i8(const Acts *a, int row
         for (; m0 + 4 <= rows; m0 += 4) block_i8_avx2(a, m0, 4, w, blk, k0, k1, accf, 0);
         if (rows - m0 >= 2) block_i8_avx2(a, m0, 2, w, blk, k0, k1, accf, 0), m0 += 2;
         if (rows - m0 == 1)
-            block_i8_avx2(a, m0, 1, w, blk, k0, k1, accf, rows == 1 ? GEMV_I8_PF_BYTES : 0);
+            block_i8_avx2(a, m0, 1, w, blk, k0, k1, accf, rows == 1 ? GEMV_PF_BYTES : 0);
         k = k0 + (k1 - k0) / 32 * 32;
 #endif
         for (int m = 0; m < rows; m++) {
