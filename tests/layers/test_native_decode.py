@@ -212,7 +212,9 @@ def bf16_rows_rounded() -> bool:
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(dtype, int8):
     # Every weight code's row dots (gemv.h, on this CPU's path: AVX-512, AVX2 or loops) sum in
     # one order whatever the row count, and so does the rest of the layer: a sequence's hidden
-    # state and KV must not depend on the sequences beside it (1 row, or 16 in two groups of 8).
+    # state and KV must not depend on the sequences beside it (1 row, 3 rows, or 16 in two
+    # groups of 8: on AVX2 float weights take tiles of weight rows at 1 and from 5 rows, the row
+    # dots at 2 to 4, gemv.h GEMV_TILES_FOR).
     model = random_model(dtype, bias=True)
     if int8 == "bf16-weights":
         if bf16_rows_rounded():
@@ -249,6 +251,9 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(dtype, int8):
         assert torch.equal(
             kv_alone.flatten(2, 3)[:, :, slot], kv_together.flatten(2, 3)[:, :, slot]
         ), b
+    three, _ = run([2, 9, 13])
+    for i, b in enumerate((2, 9, 13)):
+        assert torch.equal(three[i], together[b]), b
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])

@@ -163,7 +163,7 @@ static int project(int dt, const Proj *p, const float *x, int rows, float *y, in
     const int64_t N = p->n, K = p->k, blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t wsize = p->wt == W_I8 ? 1 : (p->wt == DT_F32 ? 4 : 2);
 #if defined(GEMV_FLOAT_TILES)
-    if (p->wt != W_I8 && rows >= GEMV_TILE_MIN_ROWS) {
+    if (p->wt != W_I8 && GEMV_TILES_FOR(rows)) {
         const int64_t tblocks = (N + TILE_BLOCK - 1) / TILE_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t blk = 0; blk < tblocks; blk++) {

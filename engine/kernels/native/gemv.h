@@ -243,6 +243,15 @@ static inline __attribute__((always_inline)) float gemv_hsum8(__m256 v) {
 #define GEMV_TILE_COLS 3
 #define GEMV_TILE_PF 6
 #define GEMV_TILE_MIN_ROWS 5
+/* Whether a decode layer's projections (decode_layer.c) at `rows` activation rows take the tiles
+   (float_tiles) rather than the row dots: from GEMV_TILE_MIN_ROWS rows, and at one row, where a
+   tile of 3 weight rows loads each activation vector once for 3 FMAs (the same bits: one order
+   per dot). Default model, float32 activations with bf16 weights, Zen 3 EPYC, 2 threads: the
+   30 layers of a 1-row decode step 22.3-23.8 -> 19.3-22.1 ms; `bench_step.py --cases 1x128`
+   best of 30, builds alternated twice: 24.6, 25.0 -> 19.9, 20.1 ms. The float LM head
+   (float_matmul.c, 49152 rows) measured slower with tiles at one row (3.8-4.2 -> 4.4-5.0 ms),
+   so it keeps the row dots there. */
+#define GEMV_TILES_FOR(rows) ((rows) >= GEMV_TILE_MIN_ROWS || (rows) == 1)
 
 /* out[c * ldo + r] = x[r] . w_c for r < R, c < C (constants once inlined; R * C <= 12, R <= 8),
    x [R, K] float32 rows, w_c = w + c * wstride bytes (float code wt); pf: prefetch the weight
