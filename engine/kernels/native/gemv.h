@@ -55,10 +55,12 @@
    kernel's own work per byte (sign extension and vpmaddwd for int8, widening and FMAs for bf16)
    is near what the memory delivers and the hardware prefetcher alone lags. The default model's
    120 projections streamed from memory at one row, 2 threads, a Zen 3 EPYC, passes of each in
-   turn (profiling/bench_int8.py --prefetch): int8 median 8.4-8.9 -> 6.3-6.8 ms (12-13 -> 16-17
-   GB/s; a plain read of the same bytes: 19), bf16 17.0-17.5 -> 14.6-14.9 ms; float32 ~5-10%
-   (2 KB to 8 KB ahead all helped int8; bf16 was best at 4 KB). Several rows: decode_layer.c
-   prefetches whole rows ahead (PF_ROWS). */
+   turn, median (profiling/bench_int8.py --prefetch): int8 8.4-9.4 -> 6.3-7.1 ms (11-13 -> 15-17
+   GB/s; a plain read of the same bytes: ~19), bf16 16.0 -> 14.0 ms. In variants of that harness
+   2 KB to 8 KB ahead all helped int8, bf16 was best at 4 KB, float32 gained ~5-10%. Who takes
+   these row dots at one row: the int8 projections and LM head, the float LM head
+   (float_matmul.c); float projections of a decode layer take tiles there (GEMV_TILES_FOR).
+   Several rows: decode_layer.c prefetches whole rows ahead (PF_ROWS). */
 #ifndef GEMV_PF_BYTES
 #define GEMV_PF_BYTES 4096
 #endif
