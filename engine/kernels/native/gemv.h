@@ -60,7 +60,10 @@
    2 KB to 8 KB ahead all helped int8, bf16 was best at 4 KB, float32 gained ~5-10%. Who takes
    these row dots at one row: the int8 projections and LM head, the float LM head
    (float_matmul.c); float projections of a decode layer take tiles there (GEMV_TILES_FOR).
-   Several rows: decode_layer.c prefetches whole rows ahead (PF_ROWS). */
+   Several rows: decode_layer.c prefetches whole rows ahead (PF_ROWS). The same prefetch in the
+   AVX-512 row dots (VNNI int8, AVX512-BF16, AVX-512 float) measured no gain on a Zen 4 EPYC
+   (bench_int8.py --prefetch --reps 40, twice: int8 5.2 ms on against 4.5-5.3 off, bf16 6.7-7.2
+   against 5.5-6.9), so it reaches only the AVX2 paths. */
 #ifndef GEMV_PF_BYTES
 #define GEMV_PF_BYTES 4096
 #endif
