@@ -44,7 +44,7 @@ from engine.kernels.native import structs
 logger = logging.getLogger(__name__)
 
 SOURCES = ("decode_attention.c", "decode_layer.c", "float_matmul.c", "int8_matmul.c")
-HEADERS = ("dtypes.h", "gemv.h")
+HEADERS = ("dtypes.h", "gemv.h", "steal.h")
 # The element types the kernels take, by the codes of dtypes.h.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-Wall")  # and the target's (compile_flags)

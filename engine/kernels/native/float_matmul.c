@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "gemv.h"
+#include "steal.h"
 
 #define ROW_BLOCK 18 /* output rows per work item (6 tiles of 3) */
 
@@ -31,16 +32,21 @@ int engine_float_matmul(int dt, int wt, const void *x, const void *w, float *y, 
     const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #if defined(GEMV_FLOAT_TILES)
     if (rows >= GEMV_TILE_MIN_ROWS) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
-            for (int64_t n = blk * ROW_BLOCK; n < n1; n += GEMV_TILE_COLS) {
-                const int C = n1 - n < GEMV_TILE_COLS ? (int)(n1 - n) : GEMV_TILE_COLS;
-                float dots[GEMV_TILE_COLS][GEMV_ROWS_LIMIT];
-                float_tiles(wt, xf, rows, K, (const char *)w + n * K * wsize, K * wsize, C,
-                            &dots[0][0], GEMV_ROWS_LIMIT);
-                for (int c = 0; c < C; c++)
-                    for (int m = 0; m < rows; m++) y[m * sy + n + c] = dots[c][m];
+        StealRange ranges[STEAL_MAX_PARTS];
+        const int parts = steal_init(ranges, num_threads, blocks);
+#pragma omp parallel num_threads(parts)
+        {
+            StealCursor cur = steal_cursor(parts);
+            for (int64_t blk; (blk = steal_next(ranges, &cur)) >= 0;) {
+                const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
+                for (int64_t n = blk * ROW_BLOCK; n < n1; n += GEMV_TILE_COLS) {
+                    const int C = n1 - n < GEMV_TILE_COLS ? (int)(n1 - n) : GEMV_TILE_COLS;
+                    float dots[GEMV_TILE_COLS][GEMV_ROWS_LIMIT];
+                    float_tiles(wt, xf, rows, K, (const char *)w + n * K * wsize, K * wsize, C,
+                                &dots[0][0], GEMV_ROWS_LIMIT);
+                    for (int c = 0; c < C; c++)
+                        for (int m = 0; m < rows; m++) y[m * sy + n + c] = dots[c][m];
+                }
             }
         }
         free(xf);
@@ -52,13 +58,18 @@ int engine_float_matmul(int dt, int wt, const void *x, const void *w, float *y, 
         free(xf);
         return -2;
     }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
-        for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
-            float dots[GEMV_ROWS_LIMIT];
-            row_dots_groups(wt, &acts, (const char *)w + n * K * wsize, dots);
-            for (int m = 0; m < rows; m++) y[m * sy + n] = dots[m];
+    StealRange ranges[STEAL_MAX_PARTS];
+    const int parts = steal_init(ranges, num_threads, blocks);
+#pragma omp parallel num_threads(parts)
+    {
+        StealCursor cur = steal_cursor(parts);
+        for (int64_t blk; (blk = steal_next(ranges, &cur)) >= 0;) {
+            const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
+            for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
+                float dots[GEMV_ROWS_LIMIT];
+                row_dots_groups(wt, &acts, (const char *)w + n * K * wsize, dots);
+                for (int m = 0; m < rows; m++) y[m * sy + n] = dots[m];
+            }
         }
     }
     groups_free(&acts);

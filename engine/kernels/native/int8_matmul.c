@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "gemv.h"
+#include "steal.h"
 
 #define ROW_BLOCK 16 /* output rows per work item */
 
@@ -34,14 +35,19 @@ int engine_int8_matmul(int dt, const void *x, const int8_t *w, const void *scale
         return -2;
     }
     const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
-        for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
-            float dots[GEMV_ROWS_LIMIT];
-            row_dots_groups(W_I8, &acts, w + n * K, dots);
-            const float s = load_f32(dt, scales, n);
-            for (int m = 0; m < rows; m++) store_f32(dt, y, m * sy + n, dots[m] * s);
+    StealRange ranges[STEAL_MAX_PARTS];
+    const int parts = steal_init(ranges, num_threads, blocks);
+#pragma omp parallel num_threads(parts)
+    {
+        StealCursor cur = steal_cursor(parts);
+        for (int64_t blk; (blk = steal_next(ranges, &cur)) >= 0;) {
+            const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
+            for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
+                float dots[GEMV_ROWS_LIMIT];
+                row_dots_groups(W_I8, &acts, w + n * K, dots);
+                const float s = load_f32(dt, scales, n);
+                for (int m = 0; m < rows; m++) store_f32(dt, y, m * sy + n, dots[m] * s);
+            }
         }
     }
     groups_free(&acts);
