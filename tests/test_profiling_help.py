@@ -137,3 +137,30 @@ def test_bench_int8_prefetch_builds_and_times_both_passes():
     rows = {tuple(line.split()[:2]): line.split()[-1] for line in out.stdout.splitlines()[2:]}
     assert set(rows) == {(w, p) for w in ("int8", "bfloat16") for p in ("on", "off")}
     assert all(float(gbs) > 0 for gbs in rows.values())
+
+
+def test_bench_native_ab_builds_a_revision_and_alternates_the_two_builds():
+    """``bench_native_ab.py`` builds the C kernels of a git revision, loads them beside the
+    working tree's and hands the engine's decode steps to each in turn."""
+    from engine.kernels import native
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    if not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    cmd = [sys.executable, os.path.join(PROFILING, "bench_native_ab.py"), "--base", "HEAD"]
+    out = subprocess.run(
+        [*cmd, "--quantization", "int8", "--tokens", "8", "--runs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    steps = {(r[0], r[1]): int(r[2]) for r in rows if r[:1] in (["layers"], ["step"])}
+    # 2 requests x 7 decode steps, handed to the two builds in turn
+    assert {k: v for k, v in steps.items() if k[0] == "layers"} == {
+        ("layers", "base"): 7,
+        ("layers", "work"): 7,
+    }
+    assert any(line.startswith("layers: work faster in") for line in out.stdout.splitlines())

@@ -174,8 +174,15 @@ def _load() -> ctypes.CDLL:
         path = _build(cc)
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"building the C kernels failed: {e}") from e
-    lib = ctypes.CDLL(str(path))
+    lib = load_library(path)
     _state["path"] = path
+    return lib
+
+
+def load_library(path: str | os.PathLike[str]) -> ctypes.CDLL:
+    """The kernels built at ``path``, their signatures declared and their structs checked
+    against the ctypes mirrors (NativeUnavailable where they differ)."""
+    lib = ctypes.CDLL(str(path))
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
