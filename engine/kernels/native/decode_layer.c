@@ -165,25 +165,19 @@ static int project(int dt, const Proj *p, const float *x, int rows, float *y, in
     const int64_t wsize = p->wt == W_I8 ? 1 : (p->wt == DT_F32 ? 4 : 2);
 #if defined(GEMV_FLOAT_TILES)
     if (p->wt != W_I8 && GEMV_TILES_FOR(rows)) {
-        StealRange ranges[STEAL_MAX_PARTS];
-        const int parts = steal_init(ranges, threads, (N + TILE_BLOCK - 1) / TILE_BLOCK);
-#pragma omp parallel num_threads(parts)
-        {
-            StealCursor cur = steal_cursor(parts);
-            for (int64_t blk; (blk = steal_next(ranges, &cur)) >= 0;) {
-                const int64_t n1 = (blk + 1) * TILE_BLOCK < N ? (blk + 1) * TILE_BLOCK : N;
-                for (int64_t j = blk * TILE_BLOCK; j < n1; j += GEMV_TILE_COLS) {
-                    const int C = n1 - j < GEMV_TILE_COLS ? (int)(n1 - j) : GEMV_TILE_COLS;
-                    float dots[GEMV_TILE_COLS][GEMV_ROWS_LIMIT];
-                    float_tiles(p->wt, x, rows, K, (const char *)p->w + j * K * wsize, K * wsize,
-                                C, &dots[0][0], GEMV_ROWS_LIMIT);
-                    for (int c = 0; c < C; c++)
-                        for (int m = 0; m < rows; m++) {
-                            float v = rnd(dt, dots[c][m]);
-                            if (p->bias) v = rnd(dt, v + load_f32(dt, p->bias, j + c));
-                            y[(int64_t)m * N + j + c] = v;
-                        }
-                }
+        STEAL_FOR(blk, threads, (N + TILE_BLOCK - 1) / TILE_BLOCK) {
+            const int64_t n1 = (blk + 1) * TILE_BLOCK < N ? (blk + 1) * TILE_BLOCK : N;
+            for (int64_t j = blk * TILE_BLOCK; j < n1; j += GEMV_TILE_COLS) {
+                const int C = n1 - j < GEMV_TILE_COLS ? (int)(n1 - j) : GEMV_TILE_COLS;
+                float dots[GEMV_TILE_COLS][GEMV_ROWS_LIMIT];
+                float_tiles(p->wt, x, rows, K, (const char *)p->w + j * K * wsize, K * wsize, C,
+                            &dots[0][0], GEMV_ROWS_LIMIT);
+                for (int c = 0; c < C; c++)
+                    for (int m = 0; m < rows; m++) {
+                        float v = rnd(dt, dots[c][m]);
+                        if (p->bias) v = rnd(dt, v + load_f32(dt, p->bias, j + c));
+                        y[(int64_t)m * N + j + c] = v;
+                    }
             }
         }
         return 0;
@@ -191,26 +185,20 @@ static int project(int dt, const Proj *p, const float *x, int rows, float *y, in
 #endif
     RowGroups acts;
     if (groups_prepare(&acts, p->wt, x, rows, K)) return -2;
-    StealRange ranges[STEAL_MAX_PARTS];
-    const int parts = steal_init(ranges, threads, blocks);
-#pragma omp parallel num_threads(parts)
-    {
-        StealCursor cur = steal_cursor(parts);
-        for (int64_t blk; (blk = steal_next(ranges, &cur)) >= 0;) {
-            const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
-            for (int64_t j = blk * ROW_BLOCK; j < n1; j++) {
-                float dots[GEMV_ROWS_LIMIT];
-                if (rows > 1 && j + PF_ROWS < N) {
-                    const char *nx = (const char *)p->w + (j + PF_ROWS) * K * wsize;
-                    for (int64_t o = 0; o < K * wsize; o += 64) __builtin_prefetch(nx + o, 0, 0);
-                }
-                row_dots_groups(p->wt, &acts, (const char *)p->w + j * K * wsize, dots);
-                const float s = p->wt == W_I8 ? load_f32(dt, p->scales, j) : 1.f;
-                for (int m = 0; m < rows; m++) {
-                    float v = rnd(dt, dots[m] * s);
-                    if (p->bias) v = rnd(dt, v + load_f32(dt, p->bias, j));
-                    y[(int64_t)m * N + j] = v;
-                }
+    STEAL_FOR(blk, threads, blocks) {
+        const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
+        for (int64_t j = blk * ROW_BLOCK; j < n1; j++) {
+            float dots[GEMV_ROWS_LIMIT];
+            if (rows > 1 && j + PF_ROWS < N) {
+                const char *nx = (const char *)p->w + (j + PF_ROWS) * K * wsize;
+                for (int64_t o = 0; o < K * wsize; o += 64) __builtin_prefetch(nx + o, 0, 0);
+            }
+            row_dots_groups(p->wt, &acts, (const char *)p->w + j * K * wsize, dots);
+            const float s = p->wt == W_I8 ? load_f32(dt, p->scales, j) : 1.f;
+            for (int m = 0; m < rows; m++) {
+                float v = rnd(dt, dots[m] * s);
+                if (p->bias) v = rnd(dt, v + load_f32(dt, p->bias, j));
+                y[(int64_t)m * N + j] = v;
             }
         }
     }

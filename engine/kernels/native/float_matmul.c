@@ -32,21 +32,15 @@ int engine_float_matmul(int dt, int wt, const void *x, const void *w, float *y, 
     const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #if defined(GEMV_FLOAT_TILES)
     if (rows >= GEMV_TILE_MIN_ROWS) {
-        StealRange ranges[STEAL_MAX_PARTS];
-        const int parts = steal_init(ranges, num_threads, blocks);
-#pragma omp parallel num_threads(parts)
-        {
-            StealCursor cur = steal_cursor(parts);
-            for (int64_t blk; (blk = steal_next(ranges, &cur)) >= 0;) {
-                const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
-                for (int64_t n = blk * ROW_BLOCK; n < n1; n += GEMV_TILE_COLS) {
-                    const int C = n1 - n < GEMV_TILE_COLS ? (int)(n1 - n) : GEMV_TILE_COLS;
-                    float dots[GEMV_TILE_COLS][GEMV_ROWS_LIMIT];
-                    float_tiles(wt, xf, rows, K, (const char *)w + n * K * wsize, K * wsize, C,
-                                &dots[0][0], GEMV_ROWS_LIMIT);
-                    for (int c = 0; c < C; c++)
-                        for (int m = 0; m < rows; m++) y[m * sy + n + c] = dots[c][m];
-                }
+        STEAL_FOR(blk, num_threads, blocks) {
+            const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
+            for (int64_t n = blk * ROW_BLOCK; n < n1; n += GEMV_TILE_COLS) {
+                const int C = n1 - n < GEMV_TILE_COLS ? (int)(n1 - n) : GEMV_TILE_COLS;
+                float dots[GEMV_TILE_COLS][GEMV_ROWS_LIMIT];
+                float_tiles(wt, xf, rows, K, (const char *)w + n * K * wsize, K * wsize, C,
+                            &dots[0][0], GEMV_ROWS_LIMIT);
+                for (int c = 0; c < C; c++)
+                    for (int m = 0; m < rows; m++) y[m * sy + n + c] = dots[c][m];
             }
         }
         free(xf);
@@ -58,18 +52,12 @@ int engine_float_matmul(int dt, int wt, const void *x, const void *w, float *y, 
         free(xf);
         return -2;
     }
-    StealRange ranges[STEAL_MAX_PARTS];
-    const int parts = steal_init(ranges, num_threads, blocks);
-#pragma omp parallel num_threads(parts)
-    {
-        StealCursor cur = steal_cursor(parts);
-        for (int64_t blk; (blk = steal_next(ranges, &cur)) >= 0;) {
-            const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
-            for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
-                float dots[GEMV_ROWS_LIMIT];
-                row_dots_groups(wt, &acts, (const char *)w + n * K * wsize, dots);
-                for (int m = 0; m < rows; m++) y[m * sy + n] = dots[m];
-            }
+    STEAL_FOR(blk, num_threads, blocks) {
+        const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
+        for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
+            float dots[GEMV_ROWS_LIMIT];
+            row_dots_groups(wt, &acts, (const char *)w + n * K * wsize, dots);
+            for (int m = 0; m < rows; m++) y[m * sy + n] = dots[m];
         }
     }
     groups_free(&acts);

@@ -35,19 +35,13 @@ int engine_int8_matmul(int dt, const void *x, const int8_t *w, const void *scale
         return -2;
     }
     const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-    StealRange ranges[STEAL_MAX_PARTS];
-    const int parts = steal_init(ranges, num_threads, blocks);
-#pragma omp parallel num_threads(parts)
-    {
-        StealCursor cur = steal_cursor(parts);
-        for (int64_t blk; (blk = steal_next(ranges, &cur)) >= 0;) {
-            const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
-            for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
-                float dots[GEMV_ROWS_LIMIT];
-                row_dots_groups(W_I8, &acts, w + n * K, dots);
-                const float s = load_f32(dt, scales, n);
-                for (int m = 0; m < rows; m++) store_f32(dt, y, m * sy + n, dots[m] * s);
-            }
+    STEAL_FOR(blk, num_threads, blocks) {
+        const int64_t n1 = (blk + 1) * ROW_BLOCK < N ? (blk + 1) * ROW_BLOCK : N;
+        for (int64_t n = blk * ROW_BLOCK; n < n1; n++) {
+            float dots[GEMV_ROWS_LIMIT];
+            row_dots_groups(W_I8, &acts, w + n * K, dots);
+            const float s = load_f32(dt, scales, n);
+            for (int m = 0; m < rows; m++) store_f32(dt, y, m * sy + n, dots[m] * s);
         }
     }
     groups_free(&acts);

@@ -18,15 +18,9 @@
    one thread with the same code, so results stay batch- and thread-invariant.
 
    The state lives on the caller's stack, one cache line per range (the owner's line moves only
-   when it is stolen from). Usage:
+   when it is stolen from). Usage (STEAL_FOR, below, at most once per scope):
 
-       StealRange ranges[STEAL_MAX_PARTS];
-       const int parts = steal_init(ranges, num_threads, blocks);
-       #pragma omp parallel num_threads(parts)
-       {
-           StealCursor c = steal_cursor(parts);
-           for (int64_t blk; (blk = steal_next(ranges, &c)) >= 0;) { ... block blk ... }
-       }
+       STEAL_FOR(blk, num_threads, blocks) { ... block blk (an int64_t) ... }
 
    A team smaller than `parts` (OpenMP may give fewer threads) is fine: the missing threads'
    ranges are stolen whole. */
@@ -88,5 +82,15 @@ static inline int64_t steal_next(StealRange *r, StealCursor *c) {
     }
     return -1;
 }
+
+/* Runs the statement after it for every block 0 <= blk < blocks, on an OpenMP team of up to
+   `threads`, each thread taking its own range and then the others' tails (above). */
+#define STEAL_FOR(blk, threads, blocks)                                                           \
+    StealRange steal_ranges_[STEAL_MAX_PARTS];                                                    \
+    const int steal_parts_ = steal_init(steal_ranges_, (threads), (blocks));                      \
+    _Pragma("omp parallel num_threads(steal_parts_)")                                             \
+    for (StealCursor steal_cur_ = steal_cursor(steal_parts_), *steal_once_ = &steal_cur_;         \
+         steal_once_; steal_once_ = NULL)                                                         \
+        for (int64_t blk; (blk = steal_next(steal_ranges_, &steal_cur_)) >= 0;)
 
 #endif
