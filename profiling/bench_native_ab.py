@@ -7,12 +7,13 @@ tree's against those of a git revision.
 
 Builds engine/kernels/native/ as it is at ``--base`` with the engine's compiler and target flags
 (under ENGINE_CPU_ISA, as the engine builds its own), loads both libraries in one process, and
-generates with the embedded engine (one request at a time, greedy, fixed length), handing each
-engine step to the two builds in turn. On a shared machine a drift then hits both alike, where
-two runs one after the other differ by 10-20%. Prints, per build, the decode steps' median, p10
-and mean time of the C decoder layers (every layer of a step, ``NativeDecoder.run``) and of the
-whole step, and how often the working tree's build was the faster of two adjacent steps.
-The base's structs must match the working tree's ctypes mirrors (the script says where not).
+generates with the embedded engine (one request at a time, greedy, fixed length), handing the
+decode steps to the two builds in turn (each step's C layers, LM head and other kernel calls).
+On a shared machine a drift then hits both alike, where two runs one after the other differ by
+10-20%. Prints, per build, the decode steps' median, p10 and mean time of the C decoder layers
+(every layer of a step, ``NativeDecoder.run``) and of the whole step, and how often the working
+tree's build was the faster of two adjacent steps. The base's structs must match the working
+tree's ctypes mirrors (the script says where not).
 """
 
 from __future__ import annotations

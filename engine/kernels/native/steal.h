@@ -9,10 +9,10 @@
    `engine serve`, a noisy neighbour) stalls the other for the whole slice. Interleaved dynamic
    scheduling (schedule(dynamic)) fixed the balance but broke each thread's stream: 6.4 -> 10 ms
    for the 30 layers. Stealing from the tail keeps the streams and moves only the last blocks.
-   Measured against schedule(static), both builds loaded in one engine and alternated step by
-   step over 900 decode steps (Zen 4 EPYC, 2 threads, the default model at batch 1, median of
-   the 30 layers' call): int8 7.07 -> 6.69 ms, bf16 9.59 -> 8.46 ms; capped to AVX2 int8 8.13
-   -> 8.10 ms (mean 8.29 -> 7.99), float32 with bf16 weights 14.9 -> 14.5 ms.
+   Against schedule(static), both builds in one engine taking alternate decode steps
+   (profiling/bench_native_ab.py --base 9178918; Zen 4 EPYC, 2 threads, the default model at
+   batch 1, 900 steps, median of the 30 layers): bf16 9.37 -> 8.72 ms, int8 8.00 -> 7.43 ms;
+   under ENGINE_CPU_ISA=avx2 float32 with bf16 weights 16.34 -> 15.96 ms, int8 6.93 -> 6.67.
 
    Which thread computes a block never changes its bits: every block's rows are computed whole by
    one thread with the same code, so results stay batch- and thread-invariant.
@@ -22,8 +22,8 @@
 
        STEAL_FOR(blk, num_threads, blocks) { ... block blk (an int64_t) ... }
 
-   A team smaller than `parts` (OpenMP may give fewer threads) is fine: the missing threads'
-   ranges are stolen whole. */
+   A team smaller than `threads` (OpenMP may give fewer) is fine: the missing threads' ranges are
+   stolen whole. */
 #ifndef ENGINE_STEAL_H
 #define ENGINE_STEAL_H
 
@@ -47,7 +47,8 @@ typedef struct {
 static inline int steal_init(StealRange *r, int threads, int64_t blocks) {
     const int parts = threads < 1 ? 1 : (threads > STEAL_MAX_PARTS ? STEAL_MAX_PARTS : threads);
     for (int t = 0; t < parts; t++) {
-        const uint64_t lo = (uint64_t)(blocks * t / parts), hi = (uint64_t)(blocks * (t + 1) / parts);
+        const uint64_t lo = (uint64_t)(blocks * t / parts);
+        const uint64_t hi = (uint64_t)(blocks * (t + 1) / parts);
         __atomic_store_n(&r[t].v, lo | (hi << 32), __ATOMIC_RELAXED);
     }
     return parts;
