@@ -7,13 +7,13 @@ tree's against those of a git revision.
 
 Builds engine/kernels/native/ as it is at ``--base`` with the engine's compiler and target flags
 (under ENGINE_CPU_ISA, as the engine builds its own), loads both libraries in one process, and
-generates with the embedded engine (one request at a time, greedy, fixed length), handing the
-decode steps to the two builds in turn (each step's C layers, LM head and other kernel calls).
+generates with the embedded engine (``--batch`` requests at a time, greedy, fixed length), handing
+the decode steps to the two builds in turn (each step's C layers, LM head and other kernel calls).
 On a shared machine a drift then hits both alike, where two runs one after the other differ by
 10-20%. Prints, per build, the decode steps' median, p10 and mean time of the C decoder layers
 (every layer of a step, ``NativeDecoder.run``) and of the whole step, and how often the working
-tree's build was the faster of two adjacent steps. The base's structs must match the working
-tree's ctypes mirrors (the script says where not).
+tree's build was the faster of two adjacent steps. The base's structs must match the working tree's
+ctypes mirrors (the script says where not).
 """
 
 from __future__ import annotations
@@ -128,7 +128,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=[None, "int8"])
     ap.add_argument("--tokens", type=int, default=300, help="output tokens per request")
-    ap.add_argument("--runs", type=int, default=3, help="requests, one after the other")
+    ap.add_argument("--runs", type=int, default=3, help="generate calls, one after the other")
+    ap.add_argument(
+        "--batch", type=int, default=1, help="requests per call, decoded together (C layers: <= 16)"
+    )
     args = ap.parse_args()
     work = native.library()
     if work is None:
@@ -142,7 +145,7 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
     try:
         for _ in range(args.runs):
-            llm.generate([PROMPT * 4], params)
+            llm.generate([f"Story {i}. " + PROMPT * 4 for i in range(args.batch)], params)
     finally:
         llm.close()
     summary(alt)
