@@ -140,7 +140,14 @@ def main() -> int:
         base = native.load_library(build_at(args.base, Path(tmp)))
     print(f"base {args.base} against the working tree; CPU paths: {native.row_dot_paths()}")
     alt = Alternation({"base": base, "work": work})
-    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization)
+    # no prefix caching: every run a whole prefill, then its decode steps (a prompt cached but
+    # for one token would add a 1-token step that runs the C layers too)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        enable_prefix_caching=False,
+    )
     alt.install()
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
     try:
