@@ -184,11 +184,17 @@ class PoolClientTier(Tier):
         session = self._conn.session()
         if session is None:
             return 0
-        shm = session.arena is not None
         start = time.monotonic()
-        reply = self._conn.call(lambda mid: P.Get(id=mid, namespace=self._ns, keys=keys, shm=shm))
-        if not isinstance(reply, P.GetOk):
+        answered = self._conn.exchange(
+            lambda mid, s: P.Get(
+                id=mid, namespace=self._ns, keys=keys, shm=s.arena is not None, arena=s.arena_name
+            )
+        )
+        if answered is None or not isinstance(answered[1], P.GetOk):
             return 0
+        # Offsets in the arena of the session the request named (and was answered in).
+        session, reply = answered
+        shm = session.arena is not None
         frames = iter(reply.frames)
         leased = [k for k, off in zip(keys, reply.offsets) if off >= 0]
         first_leased = next((i for i, off in enumerate(reply.offsets) if off >= 0), None)
@@ -215,9 +221,14 @@ class PoolClientTier(Tier):
 
     def _put_shm(self, session: Session, keys, views, positions) -> list[bool]:
         start = time.monotonic()
-        reply = self._conn.call(
-            lambda mid: P.Reserve(id=mid, namespace=self._ns, keys=keys, positions=positions)
+        answered = self._conn.exchange(
+            lambda mid, s: P.Reserve(
+                id=mid, namespace=self._ns, keys=keys, positions=positions, arena=s.arena_name
+            )
         )
+        if answered is None or answered[0].arena is None:
+            return [False] * len(keys)  # down, or it restarted off this host's memory
+        session, reply = answered  # the slots are in this session's arena
         if not isinstance(reply, P.ReserveOk) or len(reply.offsets) != len(keys):
             return [False] * len(keys)
         stored = [offset == P.PRESENT for offset in reply.offsets]
@@ -238,7 +249,10 @@ class PoolClientTier(Tier):
             self._conn.send_only(P.Abort(namespace=self._ns, keys=unwritten))
         if written:
             commit = [keys[i] for i in written]
-            reply = self._conn.call(lambda mid: P.Commit(id=mid, namespace=self._ns, keys=commit))
+            arena_name = session.arena_name  # committed where written, or refused
+            reply = self._conn.call(
+                lambda mid: P.Commit(id=mid, namespace=self._ns, keys=commit, arena=arena_name)
+            )
             if isinstance(reply, P.PutOk) and len(reply.stored) == len(written):
                 for i, ok in zip(written, reply.stored):
                     stored[i] = ok

@@ -88,7 +88,9 @@ def service():
     proc = start_service("--dram", "1MiB", "--port", str(port), "--lease", "1")
     peer = Peer(f"tcp://127.0.0.1:{port}")
     try:
-        assert isinstance(peer.send(HELLO), P.HelloOk)
+        hello = peer.send(HELLO)
+        assert isinstance(hello, P.HelloOk)
+        peer.arena = hello.shm_name  # what shm requests name
         rss0 = psutil.Process(proc.pid).memory_info().rss
         yield proc, peer, rss0
     finally:
@@ -111,7 +113,9 @@ def test_replayed_and_out_of_order_requests(service):
     proc, peer, _ = service
     k = [_key(i) for i in range(8)]
     # A commit, an abort and a release of what was never reserved or leased.
-    for msg in (P.Commit(namespace=NSID, keys=[k[0]]), P.Abort(namespace=NSID, keys=[k[0]]),
+    a = peer.arena
+    for msg in (P.Commit(namespace=NSID, keys=[k[0]], arena=a),
+                P.Abort(namespace=NSID, keys=[k[0]]),
                 P.Release(namespace=NSID, keys=[k[0], k[0]])):  # fmt: skip
         assert isinstance(peer.send(msg), P.PutOk | P.Ack)
     # A put replayed: stored once, read back intact.
@@ -127,19 +131,26 @@ def test_replayed_and_out_of_order_requests(service):
     got = peer.send(P.Get(namespace=NSID, keys=[k[1]], shm=False))
     assert bytes(got.frames[0]) == _record(1)  # the good record survived every bad put
     # A lease taken, released twice; a reservation committed twice, then aborted.
-    lease = peer.send(P.Get(namespace=NSID, keys=[k[1]], shm=True))
+    lease = peer.send(P.Get(namespace=NSID, keys=[k[1]], shm=True, arena=a))
     assert lease.offsets and lease.offsets[0] >= 0
     for _ in range(2):
         peer.send(P.Release(namespace=NSID, keys=[k[1]]))
-    res = peer.send(P.Reserve(namespace=NSID, keys=[k[3]], positions=[0]))
+    res = peer.send(P.Reserve(namespace=NSID, keys=[k[3]], positions=[0], arena=a))
     assert isinstance(res, P.ReserveOk)
-    for msg in (P.Commit(namespace=NSID, keys=[k[3]]), P.Commit(namespace=NSID, keys=[k[3]]),
+    for msg in (P.Commit(namespace=NSID, keys=[k[3]], arena=a),
+                P.Commit(namespace=NSID, keys=[k[3]], arena=a),
                 P.Abort(namespace=NSID, keys=[k[3]]), P.Reserve(namespace=NSID, keys=[k[3]],
-                positions=[0])):  # fmt: skip
+                positions=[0], arena=a)):  # fmt: skip
         assert isinstance(peer.send(msg), P.REPLIES)
     # A lease never released and a reservation never committed: ended by their deadline.
-    peer.send(P.Get(namespace=NSID, keys=[k[1]], shm=True))
-    peer.send(P.Reserve(namespace=NSID, keys=[k[4]], positions=[0]))
+    peer.send(P.Get(namespace=NSID, keys=[k[1]], shm=True, arena=a))
+    peer.send(P.Reserve(namespace=NSID, keys=[k[4]], positions=[0], arena=a))
+    # Arena offsets asked for another arena (a restarted service's client): refused.
+    for msg in (P.Get(namespace=NSID, keys=[k[1]], shm=True, arena=a + "x"),
+                P.Reserve(namespace=NSID, keys=[k[5]], positions=[0], arena=""),
+                P.Commit(namespace=NSID, keys=[k[4]], arena="engine-kv-pool-other")):  # fmt: skip
+        reply = peer.send(msg)
+        assert isinstance(reply, P.Error) and reply.error.endswith("send hello first"), reply
     _idle(peer)
     assert proc.poll() is None
 

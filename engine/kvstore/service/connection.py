@@ -15,6 +15,12 @@ let a deadline pass (a hung service or a dead host); in that case every thread's
 replaced, so no request queued for it is delivered later. Once connected again, one call says
 ``hello`` and the session resumes; a restarted service answers ``unknown namespace`` to a
 request without one, and the connection says hello again and remaps the new arena.
+
+A request whose offsets are arena offsets names the arena of its session (``exchange`` builds it
+from the session it is sent in and returns that session with the reply): a restarted service
+refuses an arena not its own, even when another client's hello opened the namespace there again,
+and the connection then says hello and maps the new one. Before, offsets of the new arena were
+read through the old mapping (a chaos run's wrong answers).
 """
 
 from __future__ import annotations
@@ -155,19 +161,33 @@ class PoolConnection:
 
     def call(self, make: Callable[[int], P.Message]) -> P.Message | None:
         """Send the request ``make(id)`` in a session; its reply, or None (down, timed out)."""
-        if self.session() is None:
-            return None
-        reply = self._request(make)
-        if isinstance(reply, P.Error) and "unknown namespace" in reply.error:
-            # The service restarted (a new process knows no namespaces): hello again, once.
-            with self._lock:
-                self._session = None
-            if self.session() is None:
+        answered = self.exchange(lambda mid, _session: make(mid))
+        return None if answered is None else answered[1]
+
+    def exchange(
+        self, make: Callable[[int, Session], P.Message]
+    ) -> tuple[Session, P.Message] | None:
+        """Send the request ``make(id, session)`` in a session (it names the session's arena
+        when it carries arena offsets); that session and the reply, or None (down, timed
+        out)."""
+        for _ in range(2):
+            session = self.session()
+            if session is None:
                 return None
-            reply = self._request(make)
-        if isinstance(reply, P.Error):
-            logger.debug("pool service error: %s", reply.error)
-        return reply
+            reply = self._request(lambda mid, s=session: make(mid, s))
+            if isinstance(reply, P.Error) and reply.error.endswith("send hello first"):
+                # The service restarted (a new process knows no namespaces, or holds another
+                # arena): hello again, once.
+                with self._lock:
+                    if self._session is session:
+                        self._session = None
+                continue
+            if reply is None:
+                return None
+            if isinstance(reply, P.Error):
+                logger.debug("pool service error: %s", reply.error)
+            return session, reply
+        return None
 
     def _request(self, make):
         if self._closed:

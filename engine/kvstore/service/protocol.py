@@ -26,6 +26,12 @@ Any request may be answered ``error`` (a message naming the field and the limit)
 than ``hello`` carry the namespace id; the service must have seen a ``hello`` for it (it keeps one
 store per namespace), else the error says so and the client says hello again.
 
+Requests whose offsets are arena offsets (``get`` with shm, ``reserve``, ``commit``) also name the
+arena the client mapped at its hello (``arena``): a service that holds another one (it restarted,
+and another client's hello opened the namespace again) refuses them, the error ending in ``send
+hello first`` as for an unknown namespace. Offsets of one arena read or written through the
+mapping of another are other blocks' bytes: a restarted pool served them as hits before this check.
+
 Same host (the client mapped the arena named in ``hello_ok`` and found the nonce in the nonce
 segment): blocks move through shared memory, the socket carries keys and offsets. A ``get``
 lease lasts ``lease_ms``; a ``reserve`` lasts as long; the service ends either when its deadline
@@ -42,7 +48,7 @@ from engine.ipc import codec
 from engine.ipc.codec import Len, Range
 from engine.kvstore.block_record import MAX_KEY_LEN, NAMESPACE_LEN
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: shm requests name their arena
 MAX_FRAME_BYTES = 64 << 20  # a data frame (one block record): far above any block we make
 MAX_HEADER_BYTES = 1 << 20  # frame 0
 MAX_KEYS = 1024  # keys in one request
@@ -112,6 +118,7 @@ class ExistsOk(Message, kind="exists_ok"):
 
 class Get(_KeysRequest, kind="get"):
     shm: bool = False
+    arena: str = ""  # with shm: the arena the client mapped (hello_ok's shm_name)
 
 
 class GetOk(Message, kind="get_ok"):
@@ -145,6 +152,7 @@ class PutOk(Message, kind="put_ok"):
 
 class Reserve(_KeysRequest, kind="reserve"):
     positions: Ints = field(default_factory=list)
+    arena: str = ""  # the arena the client will write the slots through
 
     def problem(self) -> str | None:
         return _positions_problem(self)
@@ -156,6 +164,8 @@ class ReserveOk(Message, kind="reserve_ok"):
 
 class Commit(_KeysRequest, kind="commit"):
     """The reserved slots of these keys are written: store them -> ``put_ok``."""
+
+    arena: str = ""  # the arena the client wrote the slots through
 
 
 class Abort(_KeysRequest, kind="abort"):

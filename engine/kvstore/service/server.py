@@ -268,6 +268,7 @@ class PoolService:
                 raise P.ProtocolError(
                     f"{msg.OP}: unknown namespace {msg.namespace.hex()}: send hello first"
                 )
+            _check_arena(store, msg)
             return self._namespace_op(store, peer, msg)
         except P.ProtocolError as exc:
             return P.Error(id=msg.id, error=str(exc))
@@ -344,3 +345,17 @@ class PoolService:
                     self._pub.send(event.to_wire(), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # no subscriber keeps up: events are hints
+
+
+def _check_arena(store: NamespaceStore, msg: P.Message) -> None:
+    """A request whose offsets are arena offsets must name this namespace's arena: a client
+    that mapped another one (this service's predecessor's) would read or write other bytes."""
+    if isinstance(msg, P.Get) and not msg.shm:
+        return
+    if isinstance(msg, P.Get | P.Reserve | P.Commit):
+        ours = "" if store.dram is None else store.dram.shm_name
+        if msg.arena != ours:
+            raise P.ProtocolError(
+                f"{msg.OP}: arena {msg.arena[:80]!r} is not this service's ({ours!r}; it "
+                "restarted): send hello first"
+            )

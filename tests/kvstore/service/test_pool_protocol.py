@@ -215,15 +215,19 @@ def test_service_round_trip_of_every_request(sock, service):
     )
     got = _ask(sock, P.encode(P.Get(id=9, namespace=ns.id, keys=K, shm=False)))
     assert got.offsets == [P.INLINE] and bytes(got.frames[0]) == record
-    got = _ask(sock, P.encode(P.Get(id=10, namespace=ns.id, keys=K, shm=True)))
+    arena = hello.shm_name
+    got = _ask(sock, P.encode(P.Get(id=10, namespace=ns.id, keys=K, shm=True, arena=arena)))
     assert len(got.offsets) == 1 and got.offsets[0] >= 0  # leased in the arena
     assert service.table.num_leases() == 1
     assert _ask(sock, P.encode(P.Release(id=11, namespace=ns.id, keys=K[:1]))) == P.Ack(id=11)
     assert service.table.num_leases() == 0
-    res = _ask(sock, P.encode(P.Reserve(id=12, namespace=ns.id, keys=K, positions=[0, 1])))
+    res = _ask(
+        sock, P.encode(P.Reserve(id=12, namespace=ns.id, keys=K, positions=[0, 1], arena=arena))
+    )
     assert res.offsets[0] == P.PRESENT and res.offsets[1] >= 0
     assert _ask(sock, P.encode(P.Abort(id=13, namespace=ns.id, keys=K[1:]))) == P.Ack(id=13)
-    assert _ask(sock, P.encode(P.Commit(id=14, namespace=ns.id, keys=K[1:]))) == P.PutOk(
+    commit = P.Commit(id=14, namespace=ns.id, keys=K[1:], arena=arena)
+    assert _ask(sock, P.encode(commit)) == P.PutOk(
         id=14, stored=[False]
     )  # aborted: nothing to commit
     stats = _ask(sock, P.encode(P.Stats(id=15, namespace=b"")))
@@ -256,19 +260,25 @@ def test_leases_and_reservations_of_a_silent_client_expire():
     s.connect(f"tcp://127.0.0.1:{svc.port}")
     try:
         ns = small_namespace()
-        assert isinstance(_hello(s, ns), P.HelloOk)
-        res = _ask(s, P.encode(P.Reserve(id=2, namespace=ns.id, keys=K, positions=[0, 1])))
+        a = _hello(s, ns).shm_name
+        res = _ask(s, P.encode(P.Reserve(id=2, namespace=ns.id, keys=K, positions=[0, 1], arena=a)))
         assert all(o >= 0 for o in res.offsets)
-        assert _ask(s, P.encode(P.Commit(id=3, namespace=ns.id, keys=K[:1]))).stored == [True]
-        got = _ask(s, P.encode(P.Get(id=4, namespace=ns.id, keys=K[:1], shm=True)))
+        commit = P.Commit(id=3, namespace=ns.id, keys=K[:1], arena=a)
+        assert _ask(s, P.encode(commit)).stored == [True]
+        got = _ask(s, P.encode(P.Get(id=4, namespace=ns.id, keys=K[:1], shm=True, arena=a)))
         assert got.offsets[0] >= 0 and svc.table.num_leases() == 1
         # Both slots are pinned (a lease, a reservation): a third block finds no room.
-        res = _ask(s, P.encode(P.Reserve(id=5, namespace=ns.id, keys=[b"c" * 32], positions=[2])))
+        res = _ask(
+            s, P.encode(P.Reserve(id=5, namespace=ns.id, keys=[b"c" * 32], positions=[2], arena=a))
+        )
         assert res.offsets == [P.NO_ROOM]
         time.sleep(0.6)  # past both deadlines: the service ended them
         assert svc.table.num_leases() == 0
-        assert _ask(s, P.encode(P.Commit(id=6, namespace=ns.id, keys=K[1:]))).stored == [False]
-        res = _ask(s, P.encode(P.Reserve(id=7, namespace=ns.id, keys=[b"c" * 32], positions=[2])))
+        commit = P.Commit(id=6, namespace=ns.id, keys=K[1:], arena=a)
+        assert _ask(s, P.encode(commit)).stored == [False]
+        res = _ask(
+            s, P.encode(P.Reserve(id=7, namespace=ns.id, keys=[b"c" * 32], positions=[2], arena=a))
+        )
         assert res.offsets[0] >= 0
     finally:
         s.close(linger=0)

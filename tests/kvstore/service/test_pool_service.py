@@ -254,6 +254,57 @@ def test_kill9_restart_client_fails_fast_then_reconnects(tmp_path, caplog):
         stop(proc)
 
 
+def test_restart_between_calls_uses_the_new_arena(tmp_path):
+    """The service killed and restarted between two calls of a client that never saw it down:
+    the next call learns of the restart ("unknown namespace"), says hello and is answered with
+    offsets in the new service's arena. Reads and writes must go through that arena, not the
+    mapping of the old one (whose slots hold other blocks or nothing): a chaos run found wrong
+    answers served from blocks read, and committed, through the dead service's arena."""
+    port = free_port()
+    args = ("--dram", "64KiB", "--port", str(port))
+    proc = start_service(*args)
+    c = PoolClientTier(f"tcp://127.0.0.1:{port}", NS, timeout=2.0)
+    other = None
+    out = bytearray(BB)
+    try:
+        # Slots of the first arena hold blocks 0-3; the restarted service hands out its own
+        # slots from the start again, so an old mapping would show these bytes.
+        for i in range(4):
+            assert c.put(key(i, salt=5), memoryview(block(i, BB))).stored
+        assert c.same_host
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        proc = start_service(*args)
+        other = PoolClientTier(f"tcp://127.0.0.1:{port}", NS)
+        assert other.put(key(10, salt=5), memoryview(block(10, BB))).stored
+        _reconnected(c)
+        # Read: the first call after the restart.
+        assert c.get_into(key(10, salt=5), memoryview(out))
+        assert out == block(10, BB)
+        assert c.stats()["reconnects"] == 0  # it never saw the service down
+        # Write: a restart again, then a put as the first call; another client reads it back.
+        other.close()
+        other = None
+        stop(proc)
+        proc = start_service(*args)
+        _reconnected(c)
+        assert c.put(key(11, salt=5), memoryview(block(11, BB))).stored
+        other = PoolClientTier(f"tcp://127.0.0.1:{port}", NS)
+        assert other.get_into(key(11, salt=5), memoryview(out))
+        assert out == block(11, BB)
+    finally:
+        c.close()
+        if other is not None:
+            other.close()
+        stop(proc)
+
+
+def _reconnected(c: PoolClientTier) -> None:
+    """Wait until ZeroMQ reconnected c's socket to the restarted service (it does so in the
+    background), so that c's next call reaches it rather than failing as not connected."""
+    assert c._conn._socket().poll(20_000, zmq.POLLOUT), "no reconnection within 20 s"
+
+
 def test_admin_commands_and_sigterm(tmp_path):
     port = free_port()
     proc = start_service("--dram", "64KiB", "--port", str(port))
