@@ -29,7 +29,8 @@ from pathlib import Path
 
 import httpx
 import psutil
-from kvstore.service.pool_service_helpers import free_port
+
+from engine.ipc.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = (
