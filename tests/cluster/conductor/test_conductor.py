@@ -323,7 +323,7 @@ def test_tbt_model_leaves_its_prior_on_fed_decode_steps():
         batch, tokens = 1 + i % 8, 500.0 * (1 + i % 5)
         c.on_decode_progress("D", float(i), batch, tokens, step_s(batch, tokens))
     assert c.tbt_model.fitted
-    assert c.tbt_model.predict(4, 2000) == pytest.approx(step_s(4, 2000), rel=1e-6)
+    assert c.tbt_model.predict(4, 2000) == pytest.approx(step_s(4, 2000), rel=0.02)
     # ...so early rejection now refuses what it accepted before.
     d = c.decide("after", keys("x", 1), 100, 20.0)
     assert not d.accepted and d.reason == REJECT_TBT
@@ -371,3 +371,27 @@ def test_known_output_lengths_replace_the_uniform_decode_time_in_the_prediction(
     assert decide(1.0, 1)
     with pytest.raises(ValueError, match="output_tokens"):
         make().decide("r", keys("x", 1), 10, 0.0, output_tokens=-1)
+
+
+def test_prefill_model_of_one_prompt_length_stays_sane_off_it():
+    """The chaos suite's workload: prompts of 62-70 tokens, cold or with 32 or 64 cached, and a
+    tenth of the prefills stalled 1-10 s by faults. Least squares fitted this with coefficients
+    in the thousands, right at the measured points and 171 s a few tokens away, which refused
+    every request of the idle cluster afterwards. The fit keeps each cost >= 0 and the prior's
+    shape where the measurements say nothing."""
+    import random
+
+    rng = random.Random(0)
+    c = make("load", prefills=("A",))
+    for i in range(300):
+        total, cached = rng.choice([62, 65, 67, 68, 70]), rng.choice([0, 32, 64, 64, 64])
+        seconds = 0.05 + 0.002 * (total - cached) + (rng.uniform(1, 10) if i % 10 == 0 else 0)
+        c.decide(f"m{i}", keys(f"m{i}-", 1), total, float(i))
+        c.on_prefill_done(f"m{i}", float(i), seconds=seconds, cached_tokens=cached)
+    m = c.prefill_model
+    assert m.fitted
+    mean = 0.05 + 0.002 * 40 + 0.55  # what the measurements average
+    for new, cached in ((68, 0), (4, 64), (52, 16), (30, 30), (1, 0)):
+        assert 0.0 <= m.predict(new, cached) < 3 * mean, (new, cached, m.predict(new, cached))
+    # Monotone: more tokens never cost less, so a long prompt is never estimated as free.
+    assert m.predict(8000, 0) >= m.predict(1000, 0) >= m.predict(68, 0)
