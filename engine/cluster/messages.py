@@ -286,6 +286,10 @@ class KVDone(Message, kind="kv_done"):
     # last stage alone sends ``firsts`` (the decode worker waits for DecodeRequest.senders).
     layer_start: int = 0
     layer_end: int = 0
+    # kv_connector/seal.py: the request id, prompt, pieces sent and first tokens, hashed; the
+    # decode worker refuses a transfer whose seal is not the one it computes (hex: the header
+    # holds no msgpack bin values)
+    seal: str = ""
 
     def expected_frames(self) -> int:
         return sum(1 for f in self.firsts if isinstance(f, dict) and f.get("generator"))

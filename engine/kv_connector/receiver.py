@@ -116,6 +116,7 @@ class KVReceiver(WrapsPool):
         sender_local: bool = True,
         senders: int = 1,
         stage_pids: Sequence[int] = (),
+        prompt_digest: bytes | None = None,
     ) -> Transfer:
         """Reserve staging for a request's prompt KV; MemoryError when the arena is full.
         sender_pid: the prefill worker the router placed the request on (0: not told, then a
@@ -124,7 +125,8 @@ class KVReceiver(WrapsPool):
         shm_proof.py), so its pid is watched; else it is elsewhere and sends frames. senders:
         the KVDone messages that end the transfer (a prefill group: one per stage, each for its
         own layers). stage_pids: a group's stages in order, each one's pid where it is local
-        (watched, as sender_pid is), -1 where it is elsewhere, 0 unknown."""
+        (watched, as sender_pid is), -1 where it is elsewhere, 0 unknown. prompt_digest: the
+        prompt's (seal.py), which each KVDone's seal must cover (None: no seal checked)."""
         if not 1 <= senders <= self.num_layers:
             raise ValueError(f"senders must be in [1, {self.num_layers}], got {senders}")
         if stage_pids and len(stage_pids) != senders:
@@ -141,6 +143,7 @@ class KVReceiver(WrapsPool):
                 )
             t = Transfer(request_id, offset, layout, time.monotonic() + deadline_s, senders=senders)
             t.pieces = [[] for _ in range(self.num_layers)]
+            t.prompt_digest = prompt_digest
             local = sender_local
             if sender_pid > 0 and local:
                 # Identified while the router still counts it alive, so a pid reused later is
@@ -454,8 +457,9 @@ class KVReceiver(WrapsPool):
                 if err is not None:
                     self._end(t, err)
             elif isinstance(msg, m.KVDone):
-                err = t.completion_problem(msg)
-                if msg.firsts and t.done is None:
+                sealed = t.seal_problem(msg)
+                err = t.completion_problem(msg) or sealed
+                if msg.firsts and t.done is None and sealed is None:
                     t.done = msg  # kept on failure too: recompute goes on from these tokens
                 if err is not None:
                     self._end(t, err)
@@ -481,6 +485,7 @@ class KVReceiver(WrapsPool):
         """Lock held: the piece is in (its bytes in the staging area)."""
         t.inline = msg.inline
         t.pieces[msg.layer].append((msg.start, msg.end))
+        t.verified.append((msg.layer, msg.start, msg.end, msg.checksum))
         t.last_piece_time = time.monotonic()
         self.counters["bytes_received"] += 2 * length
 

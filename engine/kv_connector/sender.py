@@ -25,6 +25,7 @@ policy). Loads and block saves go to ``inner`` (the KV pool), when there is one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -42,6 +43,7 @@ from engine.ipc.liveness import DATA_TIMEOUT_MS, watch_peer
 from engine.kv_connector import faults
 from engine.kv_connector.base import KVConnector, LoadDone, StepBlocks, WrapsPool
 from engine.kv_connector.device_copy import HostCopier, Ready, make_copier
+from engine.kv_connector.seal import seal
 from engine.kv_connector.staging import KVLayout, PeerArenas, checksum, gather_tokens
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,10 @@ class SendTarget:
     stream_layers: bool = True
     peer_address: str = ""  # mooncake: the decode worker's Transfer Engine and arena base
     peer_base: int = 0
+    prompt_digest: bytes = b""  # seal.prompt_digest of the prompt: KVDone's seal covers it
     sent: list[int] = field(default_factory=list)  # per layer: tokens sent so far
+    # (layer, start, end, checksum) of every piece sent (the sender thread's): the seal's
+    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)
     failed: bool = False
     last_layer_time: float = 0.0  # monotonic time the last layer of the last chunk left
 
@@ -138,7 +143,7 @@ class KVSender(WrapsPool):
         if not t.stream_layers:  # streaming off: every layer now (benchmarks)
             t.stream_layers = True
             self._send_all_layers(t, t.pending_table)  # type: ignore[attr-defined]
-        self._put(t, ("msg", t, m.encode(done)))
+        self._put(t, ("done", t, done))  # sealed by the sender thread, after every layer
         return t.last_layer_time
 
     def cancel(self, request_id: str, reason: str) -> None:
@@ -318,11 +323,16 @@ class KVSender(WrapsPool):
                     if t.transport == "mooncake" and not self._write_remote(t, header, bufs[0]):
                         self._fail(t, f"Mooncake write to {t.peer_address} failed", tell=True)
                         continue
+                    t.pieces.append((layer, start, end, header.checksum))
                     frames = m.encode(header)
                     if header.inline:  # K rows, V rows: the receiver reads each into place
                         half = parts[0].nbytes // 2
                         frames += [parts[0][:half], parts[0][half:]]
                     nbytes = sum(p.nbytes for p in parts)
+                elif item[0] == "done":
+                    done = item[2]
+                    sealed = seal(t.request_id, t.prompt_digest, t.pieces, done.firsts)
+                    frames, nbytes = m.encode(dataclasses.replace(done, seal=sealed)), 0
                 else:
                     frames, nbytes = item[2], 0
                 sock = socks.get(t.kv_address)

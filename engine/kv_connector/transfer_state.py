@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.cluster import messages as m
 from engine.ipc.process_id import ProcessId
+from engine.kv_connector.seal import seal
 from engine.kv_connector.staging import KVLayout
 
 
@@ -40,6 +41,24 @@ class Transfer:
     # KVDone or KVAbort.
     writers: dict[int, ProcessId | None] = field(default_factory=dict)
     reported_by: set[int] = field(default_factory=set)
+    # seal.py: the prompt's digest from the DecodeRequest (None: not told, no seal is checked)
+    # and every piece verified, (layer, start, end, checksum)
+    prompt_digest: bytes | None = None
+    verified: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    def seal_problem(self, done: m.KVDone) -> str | None:
+        """Whether ``done`` seals the prompt this side expects, the pieces it verified for the
+        sender's layers and the first tokens it carries; None if so (or no prompt was told)."""
+        if self.prompt_digest is None:
+            return None
+        a, b = done.layer_start, done.layer_end or self.layout.num_layers
+        mine = [p for p in self.verified if a <= p[0] < b]
+        if done.seal != seal(self.request_id, self.prompt_digest, mine, done.firsts):
+            return (
+                "integrity: the KVDone's seal does not match this request's prompt, the KV "
+                "pieces received and the first tokens it carries"
+            )
+        return None
 
     @property
     def ok(self) -> bool:

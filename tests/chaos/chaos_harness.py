@@ -464,7 +464,30 @@ def _can_mount_tmpfs(workdir: Path) -> bool:
         return False
 
 
+def judge_mismatches(chaos: Chaos) -> None:
+    """Each mismatch judged by the oracle (oracle.py): a float32 near-tie becomes "near_tie",
+    reported but not failed; the rest stay "mismatch", with the oracle's reason appended."""
+    bad = [r for r in chaos.results if r.kind == "mismatch"]
+    if not bad:
+        return
+    from oracle import classify
+
+    from engine import LLM
+
+    llm = LLM("default", dtype="float32", max_model_len=1024, kv_cache_memory_gb=0.2)
+    seen: dict[tuple[int, str], tuple[str, str]] = {}
+    for r in bad:
+        key = (r.prompt, r.text)
+        if key not in seen:
+            prompt = PREFIX + QUESTIONS[r.prompt]
+            seen[key] = classify(llm, prompt, chaos.reference[r.prompt], r.text)
+        kind, why = seen[key]
+        r.kind = "near_tie" if kind == "near_tie" else "mismatch"
+        r.detail = f"{r.detail}; oracle: {why}"
+
+
 def summarize(chaos: Chaos, run: dict, left: dict) -> dict:
+    judge_mismatches(chaos)
     kinds = Counter(r.kind for r in chaos.results)
     final_kinds = Counter(r.kind for r in run["final"])
     kills = {name: p.kills for name, p in chaos.procs.items()}
@@ -479,6 +502,10 @@ def summarize(chaos: Chaos, run: dict, left: dict) -> dict:
         "requests": len(chaos.results),
         "outcomes": dict(kinds),
         "final_pass": dict(final_kinds),
+        "final_detail": [
+            f"{r.status} {r.detail[:160]}" for r in run["final"] if r.kind != "identical"
+        ],
+        "conductor_after": chaos.status().get("conductor"),
         "kills": kills,
         "kv_faults": chaos.fault_counts(),
         "ssd_mode": chaos.ssd_mode,
@@ -499,6 +526,7 @@ def summarize(chaos: Chaos, run: dict, left: dict) -> dict:
         "left_behind": left,
         "chaos_s": round(run["chaos_s"], 1),
         "mismatches": [r.__dict__ for r in chaos.results if r.kind == "mismatch"][:5],
+        "near_ties": [r.__dict__ for r in chaos.results if r.kind == "near_tie"][:5],
         "unclear": [r.__dict__ for r in chaos.results if r.kind in ("unclear_error", "hung")][:5],
     }
 

@@ -23,12 +23,33 @@ def _dump(router, path: str) -> None:
             "workers": router.workers_status(),
             "in_flight": len(router._requests),
             "alive": router._thread.is_alive(),
+            "conductor": _conductor(router),
         }
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(status, f)
         os.replace(tmp, path)
         time.sleep(0.3)
+
+
+def _conductor(router) -> dict:
+    """What the Conductor would estimate now for a chaos prompt (~68 tokens, cold or with 64
+    cached), per prefill instance: its queue and the fitted prefill time (read racily: a view)."""
+    placement = router._phases.placement
+    c = getattr(placement, "conductor", None)
+    if c is None:
+        return {}
+    try:
+        now = placement.clock()
+        return {
+            "placed": c.placed(),
+            "fitted": c.prefill_model.fitted,
+            "prefill_s": [round(c.prefill_model.predict(68, 0), 3),
+                          round(c.prefill_model.predict(4, 64), 3)],
+            "queues_s": {i: round(c.prefill_queue_s(i, now), 3) for i in c._prefills},
+        }  # fmt: skip
+    except Exception as exc:  # a view taken while the IO thread changes it
+        return {"error": repr(exc)}
 
 
 def main() -> int:

@@ -74,7 +74,8 @@ class Pair:
         self.prefill = PrefillRole(self.p_engine, self.sender, "p0", self.router.append)
         self.decode = DecodeRole(self.d_engine, self.receiver, "d0", self.router.append, policy)
 
-    def run(self, rid: str, prompt, params, corrupt=None, timeout=60.0):
+    def run(self, rid: str, prompt, params, corrupt=None, timeout=60.0, prefill_prompt=None):
+        """``prefill_prompt``: what the prefill worker is told (default: ``prompt``)."""
         wire = params_to_wire(params)
         self.decode.handle(m.DecodeRequest(rid, prompt, wire, 30.0))
         ready = self.router.pop()
@@ -82,7 +83,7 @@ class Pair:
         self.prefill.handle(
             m.PrefillRequest(
                 rid,
-                prompt,
+                prompt if prefill_prompt is None else prefill_prompt,
                 wire,
                 "d0",
                 self.receiver.address,
@@ -207,6 +208,64 @@ def test_corrupt_layer_follows_policy(expected, policy):
         pair.d_engine.check_integrity()
     finally:
         pair.close()
+
+
+def test_kv_of_another_prompt_is_refused_by_its_seal_and_never_answered(expected):
+    """The decode worker was told one prompt, the prefill worker computed another of the same
+    length: every layer arrives intact (its checksum passes), but the KVDone's seal covers the
+    prompt, the pieces and the first tokens, so the decode worker refuses the transfer and
+    recomputes its own prompt; the router then refuses the decode worker's continuation of a
+    first token that is not the one the prefill worker sent (kv_connector/seal.py)."""
+    from types import SimpleNamespace
+
+    from engine.cluster.router.outputs import integrity_problem
+    from engine.cluster.router.request import Choice
+
+    other = PROMPT[::-1]
+    pair = Pair("tcp", prefill_tokens=64)
+    try:
+        assert pair.run("ok", PROMPT, GREEDY)[0] == expected["greedy"][0]
+        assert not any(isinstance(x, m.TransferFailed) for x in pair.router)  # sealed and kept
+        pair.router.clear()
+        pair.run("x", PROMPT, GREEDY, prefill_prompt=other)
+        failed = [x for x in pair.router if isinstance(x, m.TransferFailed)]
+        assert len(failed) == 1 and failed[0].reason.startswith("integrity:"), failed
+        assert pair.d_engine.metrics.computed_prompt_tokens > 0  # recomputed (past its cache hit)
+        outs = [x for x in pair.router if isinstance(x, m.Outputs)]
+        first = [x for x in outs if x.worker_id == "p0"][0].outputs[0]
+        decoded = [x for x in outs if x.worker_id == "d0"]
+        assert decoded[0].outputs[0]["first"] == expected["greedy"][0][0][0]  # its own prompt's
+        assert first["token_ids"][0] != expected["greedy"][0][0][0]  # the other prompt's
+        req = SimpleNamespace(choices=[Choice(output_token_ids=list(first["token_ids"]))])
+        assert "went on from token" in integrity_problem(req, decoded[0].outputs)
+        # A KVDone sealed for other first tokens is refused too.
+        t = pair.receiver.expect("y", 4, 30.0, prompt_digest=b"p")
+        assert "integrity" in t.seal_problem(m.KVDone("y", 4, t.layout.num_layers, 0, [],
+                                                      seal="00" * 16))  # fmt: skip
+        pair.receiver.release("y")
+        pair.d_engine.check_integrity()
+    finally:
+        pair.close()
+
+
+def test_router_refuses_internal_finish_reasons_and_rewritten_tokens():
+    from types import SimpleNamespace
+
+    from engine.cluster.router.outputs import integrity_problem
+    from engine.cluster.router.request import Choice
+
+    req = SimpleNamespace(choices=[Choice(output_token_ids=[5, 6, 7])])
+
+    def out(**kw):
+        return [{"index": 0, "offset": 3, "token_ids": [8], "finish_reason": None, **kw}]
+
+    assert integrity_problem(req, out()) is None
+    assert integrity_problem(req, out(first=5, finish_reason="stop")) is None
+    for reason in ("handed_over", "stage_done", "abort"):
+        assert reason in integrity_problem(req, out(finish_reason=reason))
+    assert "went on from token" in integrity_problem(req, out(first=4))
+    assert "differ" in integrity_problem(req, out(offset=1, token_ids=[6, 9, 8]))
+    assert integrity_problem(req, out(offset=1, token_ids=[6, 7, 8])) is None  # a repeat
 
 
 def corrupt_layer(pair, layer: int) -> None:

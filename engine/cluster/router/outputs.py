@@ -15,10 +15,40 @@ from engine.outputs import RequestOutput
 log = logging.getLogger(__name__)
 
 
+PUBLIC_FINISH_REASONS = ("stop", "length")  # what a worker may end a choice with
+
+
+def integrity_problem(req: RouterRequest, outputs: list[dict]) -> str | None:
+    """What makes a worker's outputs not this request's continuation, before any is applied:
+    a choice ended with a reason of the workers' own (``handed_over``, ``stage_done``,
+    ``abort``: the request did not finish), tokens that repeat held ones differently, or a
+    decode worker going on from a first token other than the one the client was sent. None
+    if nothing."""
+    for o in outputs:
+        i = o.get("index")
+        if not isinstance(i, int) or not 0 <= i < len(req.choices):
+            continue
+        c = req.choices[i]
+        reason = o.get("finish_reason")
+        if reason is not None and reason not in PUBLIC_FINISH_REASONS:
+            return f"a worker ended choice {i} with {str(reason)[:40]!r}"
+        first = o.get("first")
+        if first is not None and c.output_token_ids and first != c.output_token_ids[0]:
+            return (
+                f"choice {i} went on from token {first} on the decode worker, not from the "
+                f"first token {c.output_token_ids[0]} the prefill worker sent"
+            )
+        offset, ids = o.get("offset", 0), o.get("token_ids") or []
+        held = c.output_token_ids[offset : offset + len(ids)] if offset >= 0 else []
+        if held and held != ids[: len(held)]:
+            return f"choice {i}'s tokens from {offset} differ from those held"
+    return None
+
+
 def apply_outputs(req: RouterRequest, outputs: list[dict]) -> None:
     """Append what is new in a worker's outputs (``roles.py`` sends every choice's tokens and
     text from an offset) to the request's choices; an output that repeats what is held adds
-    nothing, one with a gap is dropped."""
+    nothing, one with a gap is dropped. Check ``integrity_problem`` first."""
     for o in outputs:
         i = o.get("index")
         if not isinstance(i, int) or not 0 <= i < len(req.choices):

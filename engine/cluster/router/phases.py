@@ -21,7 +21,7 @@ from engine.cluster.placement import Placement
 from engine.cluster.router import shm_pairs
 from engine.cluster.router.config import ClusterUnavailableError, RouterConfig
 from engine.cluster.router.membership import Membership, Worker
-from engine.cluster.router.outputs import apply_outputs, assemble
+from engine.cluster.router.outputs import apply_outputs, assemble, integrity_problem
 from engine.cluster.router.request import RouterRequest
 from engine.core.metrics import EngineMetrics
 from engine.ipc.wire import params_to_wire
@@ -103,6 +103,12 @@ class Phases:
         elif isinstance(msg, m.Outputs):
             last = req.legs[-1] if req.legs else ""  # a group's last stage samples
             if wid not in (last, req.decode):
+                return
+            problem = integrity_problem(req, msg.outputs)
+            if problem is not None:  # refused, not answered
+                log.error("request %s: %s (worker %s)", req.request_id, problem, wid)
+                self._abort_legs(req)
+                self._fail(req, ClusterUnavailableError(f"request {req.request_id}: {problem}"))
                 return
             if wid == last and req.phase == "prefill":
                 req.phase = "decode"

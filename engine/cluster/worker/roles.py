@@ -19,6 +19,7 @@ from engine.core.request import Request
 from engine.core.scheduler import QueueFullError
 from engine.ipc.wire import output_to_wire, params_from_wire
 from engine.kv_connector.receiver import KVReceiver
+from engine.kv_connector.seal import prompt_digest
 from engine.kv_connector.sender import KVSender, SendTarget
 from engine.kv_connector.staging import KVLayout
 from engine.outputs import RequestOutput
@@ -92,6 +93,7 @@ class PrefillRole:
                 stream_layers=msg.stream_layers,
                 peer_address=msg.peer_address,
                 peer_base=msg.peer_base,
+                prompt_digest=prompt_digest(msg.prompt_token_ids),
             )
         )
         return reqs
@@ -213,7 +215,7 @@ class DecodeRole:
             deadline = min(max(msg.deadline_s, 0.1), self.deadline_cap_s)
             t = self.receiver.expect(
                 rid, len(msg.prompt_token_ids), deadline, msg.sender_pid, msg.sender_local,
-                msg.senders, msg.stage_pids,
+                msg.senders, msg.stage_pids, prompt_digest(msg.prompt_token_ids),
             )  # fmt: skip
         except (ValueError, TypeError, MemoryError) as exc:
             self.emit(m.DecodeReady(rid, 0, 0, error=str(exc)))
@@ -298,7 +300,9 @@ class DecodeRole:
             if out.request_id not in self.running:
                 continue
             moved = [
-                output_to_wire(c, offsets=True)
+                # "first": the token the choice went on from, which the router checks is the
+                # one the client was sent (kv_connector/seal.py)
+                {**output_to_wire(c, offsets=True), "first": c.token_ids[0] if c.token_ids else -1}
                 for c in out.outputs
                 if c.new_token_ids or c.new_text or c.finish_reason
             ]
