@@ -11,6 +11,13 @@ lease; returns to the free list when the last lease is released). A read lease (
 ``release``) pins a stored slot so it is neither evicted nor reused while someone copies from it;
 a write is two-phase (``reserve`` then ``commit`` or ``abort``), so no reader sees a partial block.
 
+Every stored block keeps the checksum of its bytes (block_record.checksum), taken at commit and
+checked against the writer's own when it gives one (a client that wrote the slot through its
+mapping: a commit whose slot does not hold what the writer hashed is refused). Readers get it
+with their lease and check their copy, and ``get_into`` checks its own: a slot written by a
+client whose reservation had already ended (stalled past it, then writing anyway) is read as a
+miss, never as another block's bytes.
+
 When the arena is full a put evicts by policy; each victim is handed to ``on_evict(key, view)``
 under the tier's lock, before its slot is reused, so the store can demote it to the next tier.
 """
@@ -24,6 +31,7 @@ from collections.abc import Callable
 from multiprocessing import shared_memory
 
 from engine.ipc.process_id import remove_orphan_files
+from engine.kvstore.block_record import checksum as block_checksum
 from engine.kvstore.eviction import make_policy
 from engine.kvstore.namespace import KVNamespace
 from engine.kvstore.tier import LocalTier, PutResult
@@ -71,6 +79,7 @@ class DramTier(LocalTier):
         self._reserved: dict[bytes, tuple[int, int]] = {}  # key -> (slot, position)
         self._pins: dict[bytes, int] = {}
         self._doomed: dict[bytes, int] = {}
+        self._sums: dict[bytes, int] = {}  # stored key -> checksum of its bytes
         self._closed = False
 
     # -- shared-memory addressing, for processes that map the arena ------------------------------
@@ -109,6 +118,11 @@ class DramTier(LocalTier):
             self._counters["bytes_read"] += self.block_bytes
             return slot * self.block_bytes
 
+    def checksum(self, key: bytes) -> int | None:
+        """The checksum of a stored block's bytes (as committed); None if not stored."""
+        with self._lock:
+            return self._sums.get(key)
+
     def release(self, key: bytes) -> None:
         with self._lock:
             count = self._pins.get(key, 0) - 1
@@ -126,14 +140,28 @@ class DramTier(LocalTier):
         with self._lock:
             return self._reserve(key, position, [])
 
-    def commit(self, key: bytes) -> bool:
-        """Make a reserved block visible. False if it was not reserved (aborted, cleared)."""
+    def commit(self, key: bytes, expected: int | None = None) -> bool:
+        """Make a reserved block visible. False if it was not reserved (aborted, cleared), or
+        if ``expected`` (the writer's checksum of what it wrote) is not what the slot holds:
+        the slot is then freed."""
         with self._lock:
-            reserved = self._reserved.pop(key, None)
-            if reserved is None:
-                return False
+            reserved = self._reserved.get(key)
+        if reserved is None:
+            return False
+        offset = reserved[0] * self.block_bytes
+        actual = block_checksum(self._buf[offset : offset + self.block_bytes])  # unlocked
+        with self._lock:
+            if self._reserved.get(key) is not reserved:
+                return False  # aborted (its deadline) meanwhile
+            del self._reserved[key]
             slot, position = reserved
+            if expected is not None and actual != expected:
+                self._free.append(slot)
+                self._counters["failed_writes"] += 1
+                logger.warning("DRAM tier: a slot does not hold what its writer hashed; refused")
+                return False
             self._index[key] = slot
+            self._sums[key] = actual
             self._policy.on_insert(key, position)
             self._counters["bytes_written"] += self.block_bytes
             return True
@@ -154,9 +182,14 @@ class DramTier(LocalTier):
         if offset is None:
             return False
         try:
+            expected = self.checksum(key)
             out[:] = self._buf[offset : offset + self.block_bytes]  # one memcpy, lock not held
         finally:
             self.release(key)
+        if block_checksum(out) != expected:
+            with self._lock:
+                self._counters["failed_reads"] += 1
+            return False
         return True
 
     def put(self, key: bytes, data: memoryview, position: int = 0) -> PutResult:
@@ -174,7 +207,7 @@ class DramTier(LocalTier):
             return PutResult(False, evicted)
         # The slot is reserved: no reader sees it and nothing evicts it, so copy unlocked.
         self._buf[offset : offset + self.block_bytes] = data
-        return PutResult(self.commit(key), evicted)
+        return PutResult(self.commit(key, block_checksum(data)), evicted)
 
     def remove(self, key: bytes) -> bool:
         with self._lock:
@@ -228,6 +261,7 @@ class DramTier(LocalTier):
         slot = self._index.pop(key, None)
         if slot is None:
             return False
+        self._sums.pop(key, None)
         self._policy.on_remove(key)
         if key in self._pins:
             self._doomed[key] = slot

@@ -196,10 +196,11 @@ class PoolClientTier(Tier):
         session, reply = answered
         shm = session.arena is not None
         frames = iter(reply.frames)
+        sums = list(reply.checksums) + [None] * (len(reply.offsets) - len(reply.checksums))
         leased = [k for k, off in zip(keys, reply.offsets) if off >= 0]
         first_leased = next((i for i, off in enumerate(reply.offsets) if off >= 0), None)
         n = 0
-        for key, out, offset in zip(keys, outs, reply.offsets):
+        for key, out, offset, expected in zip(keys, outs, reply.offsets, sums):
             if offset == P.INLINE:
                 payload = block_record.decode_and_verify(self._ns, key, next(frames))
                 if payload is None or payload.nbytes != out.nbytes:
@@ -208,6 +209,9 @@ class PoolClientTier(Tier):
                 out[:] = payload
             elif shm and 0 <= offset <= len(session.arena) - out.nbytes:
                 out[:] = memoryview(session.arena)[offset : offset + out.nbytes]
+                if block_record.checksum(out) != expected:  # a slot rewritten under us
+                    self._bump("failed_reads")
+                    break
             else:
                 self._bump("failed_reads")
                 break
@@ -243,6 +247,7 @@ class PoolClientTier(Tier):
                 break
             arena[offset : offset + views[i].nbytes] = views[i]
             written.append(i)
+        sums = {i: block_record.checksum(views[i]) for i in written}  # what the slots must hold
         done = set(written)
         unwritten = [keys[i] for i, o in enumerate(reply.offsets) if o >= 0 and i not in done]
         if unwritten:
@@ -250,8 +255,11 @@ class PoolClientTier(Tier):
         if written:
             commit = [keys[i] for i in written]
             arena_name = session.arena_name  # committed where written, or refused
+            checks = [sums[i] for i in written]
             reply = self._conn.call(
-                lambda mid: P.Commit(id=mid, namespace=self._ns, keys=commit, arena=arena_name)
+                lambda mid: P.Commit(
+                    id=mid, namespace=self._ns, keys=commit, arena=arena_name, checksums=checks
+                )
             )
             if isinstance(reply, P.PutOk) and len(reply.stored) == len(written):
                 for i, ok in zip(written, reply.stored):

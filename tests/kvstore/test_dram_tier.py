@@ -168,3 +168,28 @@ def test_a_new_arena_removes_those_of_dead_owners_only():
         for name in (orphan, live, foreign):
             if os.path.exists(f"/dev/shm/{name}"):
                 os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_slot_rewritten_after_its_commit_reads_as_a_miss(tier):
+    """A client whose reservation ended while it stalled, writing through its mapping anyway,
+    lands in a slot that now holds another block: the block's checksum, taken at commit, makes
+    every later read of it a miss instead of the other bytes."""
+    assert tier.put(key(1), memoryview(block(1, BB))).stored
+    offset = tier.slot_offset(key(1))
+    tier.slot_view(offset)[:] = block(2, BB)  # the stalled writer's late copy
+    out = bytearray(BB)
+    assert not tier.get_into(key(1), memoryview(out))
+    assert tier.stats()["failed_reads"] == 1
+
+
+def test_commit_refuses_a_slot_that_does_not_hold_what_its_writer_hashed(tier):
+    from engine.kvstore.block_record import checksum
+
+    offset = tier.reserve(key(3))
+    tier.slot_view(offset)[:] = block(3, BB)
+    assert not tier.commit(key(3), checksum(block(4, BB)))  # a torn or clobbered write
+    assert not tier.contains(key(3))
+    offset = tier.reserve(key(3))  # the slot went back: the write can be tried again
+    tier.slot_view(offset)[:] = block(3, BB)
+    assert tier.commit(key(3), checksum(block(3, BB)))
+    assert _get(tier, 3) == block(3, BB)

@@ -78,11 +78,13 @@ class NamespaceStore:
 
     def get(
         self, peer: bytes, keys: Sequence[bytes], shm: bool, max_bytes: int, now: float
-    ) -> tuple[list[int], list[bytearray]]:
-        """Offsets (leased arena offsets, or INLINE) for the leading keys found, and the inline
-        records. Stops at the first miss or when the inline bytes would pass ``max_bytes``."""
+    ) -> tuple[list[int], list[bytearray], list[int]]:
+        """Offsets (leased arena offsets, or INLINE) for the leading keys found, the inline
+        records, and per offset the leased block's checksum (0 for INLINE). Stops at the first
+        miss or when the inline bytes would pass ``max_bytes``."""
         offsets: list[int] = []
         frames: list[bytearray] = []
+        sums: list[int] = []
         record_bytes = block_record.HEADER_SIZE + self.namespace.block_bytes
         for key in keys:
             if shm and self.dram is not None and self.dram.contains(key):
@@ -91,6 +93,7 @@ class NamespaceStore:
                     with self._lock:
                         self._leases.setdefault((peer, key), []).append(now + self.lease_s)
                     offsets.append(offset)
+                    sums.append(self.dram.checksum(key) or 0)
                     continue
             if (len(frames) + 1) * record_bytes > max_bytes and offsets:
                 break
@@ -104,8 +107,9 @@ class NamespaceStore:
             )
             frames.append(record)
             offsets.append(P.INLINE)
+            sums.append(0)
         self._flush()
-        return offsets, frames
+        return offsets, frames, sums
 
     def release(self, peer: bytes, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -150,14 +154,18 @@ class NamespaceStore:
         self._flush()  # the reservations may have evicted blocks
         return offsets
 
-    def commit(self, peer: bytes, keys: Sequence[bytes]) -> list[bool]:
+    def commit(
+        self, peer: bytes, keys: Sequence[bytes], checksums: Sequence[int] = ()
+    ) -> list[bool]:
+        """checksums: per key, what the writer hashed (none: not checked)."""
         stored = []
-        for key in keys:
+        for i, key in enumerate(keys):
             with self._lock:
                 owned = self._reserved.get(key, (None,))[0] == peer
                 if owned:
                     del self._reserved[key]
-            stored.append(owned and self.dram.commit(key))
+            expected = checksums[i] if i < len(checksums) else None
+            stored.append(owned and self.dram.commit(key, expected))
         self._publish("stored", self.namespace.id, [k for k, ok in zip(keys, stored) if ok])
         return stored
 

@@ -13,12 +13,14 @@ Requests (client -> service) -> their replies:
   segment's name and the nonce, the lease length, the frame limit, the service's name.
 - ``exists``: keys -> ``exists_ok``: matched, the length of the prefix of keys the pool holds.
 - ``get``: keys, shm (may blocks be lent in the arena?) -> ``get_ok``: an offset per found key (a
-  prefix of keys): >= 0 a leased arena offset, ``INLINE`` the next data frame holds the record.
+  prefix of keys): >= 0 a leased arena offset, ``INLINE`` the next data frame holds the record;
+  and per offset the block's checksum, which the reader checks its copy from the arena against.
 - ``release``: keys whose leases the client is done with -> ``ack``.
 - ``put``: keys, positions, one record frame per key -> ``put_ok``: stored, per key.
 - ``reserve``: keys, positions (a two-phase put through the arena) -> ``reserve_ok``: an offset per
   key, a slot to write, ``PRESENT`` (stored already) or ``NO_ROOM``.
-- ``commit``: keys written into their reserved slots -> ``put_ok``; ``abort``: keys -> ``ack``.
+- ``commit``: keys written into their reserved slots, with the checksum of what was written into
+  each (a slot that does not hold it is not stored) -> ``put_ok``; ``abort``: keys -> ``ack``.
 - ``remove``: keys -> ``count_ok``: how many were removed.
 - ``clear``, ``stats``: a namespace (empty: every namespace) -> ``count_ok``, ``stats_ok``.
 
@@ -48,7 +50,7 @@ from engine.ipc import codec
 from engine.ipc.codec import Len, Range
 from engine.kvstore.block_record import MAX_KEY_LEN, NAMESPACE_LEN
 
-PROTOCOL_VERSION = 2  # 2: shm requests name their arena
+PROTOCOL_VERSION = 2  # 2: shm requests name their arena; blocks through it carry checksums
 MAX_FRAME_BYTES = 64 << 20  # a data frame (one block record): far above any block we make
 MAX_HEADER_BYTES = 1 << 20  # frame 0
 MAX_KEYS = 1024  # keys in one request
@@ -122,9 +124,12 @@ class Get(_KeysRequest, kind="get"):
 
 
 class GetOk(Message, kind="get_ok"):
-    """``frames``: one record per INLINE offset, in order."""
+    """``frames``: one record per INLINE offset, in order. ``checksums``: per offset, the
+    leased block's checksum (block_record.checksum; 0 for INLINE), which the reader checks its
+    copy against."""
 
     offsets: Ints = field(default_factory=list)
+    checksums: Ints = field(default_factory=list)
 
     def expected_frames(self) -> int:
         return self.offsets.count(INLINE)
@@ -166,6 +171,8 @@ class Commit(_KeysRequest, kind="commit"):
     """The reserved slots of these keys are written: store them -> ``put_ok``."""
 
     arena: str = ""  # the arena the client wrote the slots through
+    # per key, the checksum of what the client wrote: a slot that does not hold it is refused
+    checksums: Ints = field(default_factory=list)
 
 
 class Abort(_KeysRequest, kind="abort"):

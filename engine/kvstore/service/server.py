@@ -313,10 +313,10 @@ class PoolService:
         if isinstance(msg, P.Exists):
             return P.ExistsOk(id=msg.id, matched=store.store.match(msg.keys))
         if isinstance(msg, P.Get):
-            offsets, frames = store.get(
+            offsets, frames, sums = store.get(
                 peer, msg.keys, msg.shm, self.config.max_reply_bytes, time.monotonic()
             )
-            return P.GetOk(id=msg.id, offsets=offsets, frames=tuple(frames))
+            return P.GetOk(id=msg.id, offsets=offsets, checksums=sums, frames=tuple(frames))
         if isinstance(msg, P.Release):
             store.release(peer, msg.keys)
             return P.Ack(id=msg.id)
@@ -326,7 +326,11 @@ class PoolService:
             offsets = store.reserve(peer, msg.keys, msg.positions, time.monotonic())
             return P.ReserveOk(id=msg.id, offsets=offsets)
         if isinstance(msg, P.Commit):
-            return P.PutOk(id=msg.id, stored=store.commit(peer, msg.keys))
+            if msg.checksums and len(msg.checksums) != len(msg.keys):
+                raise P.ProtocolError(
+                    f"commit: checksums has {len(msg.checksums)} items, keys has {len(msg.keys)}"
+                )
+            return P.PutOk(id=msg.id, stored=store.commit(peer, msg.keys, msg.checksums))
         if isinstance(msg, P.Abort):
             store.abort(peer, msg.keys)
             return P.Ack(id=msg.id)

@@ -218,6 +218,7 @@ def test_service_round_trip_of_every_request(sock, service):
     arena = hello.shm_name
     got = _ask(sock, P.encode(P.Get(id=10, namespace=ns.id, keys=K, shm=True, arena=arena)))
     assert len(got.offsets) == 1 and got.offsets[0] >= 0  # leased in the arena
+    assert got.checksums == [block_record.checksum(payload)]  # what the reader checks
     assert service.table.num_leases() == 1
     assert _ask(sock, P.encode(P.Release(id=11, namespace=ns.id, keys=K[:1]))) == P.Ack(id=11)
     assert service.table.num_leases() == 0
@@ -225,6 +226,13 @@ def test_service_round_trip_of_every_request(sock, service):
         sock, P.encode(P.Reserve(id=12, namespace=ns.id, keys=K, positions=[0, 1], arena=arena))
     )
     assert res.offsets[0] == P.PRESENT and res.offsets[1] >= 0
+    # A commit whose slot does not hold what the writer hashed (it wrote nothing) is refused.
+    commit = P.Commit(id=18, namespace=ns.id, keys=K[1:], arena=arena, checksums=[12345])
+    assert _ask(sock, P.encode(commit)) == P.PutOk(id=18, stored=[False])
+    res = _ask(
+        sock, P.encode(P.Reserve(id=19, namespace=ns.id, keys=K, positions=[0, 1], arena=arena))
+    )
+    assert res.offsets[1] >= 0  # the refused slot went back; reserved again
     assert _ask(sock, P.encode(P.Abort(id=13, namespace=ns.id, keys=K[1:]))) == P.Ack(id=13)
     commit = P.Commit(id=14, namespace=ns.id, keys=K[1:], arena=arena)
     assert _ask(sock, P.encode(commit)) == P.PutOk(
