@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -425,7 +426,7 @@ class Worker:
         while True:
             try:
                 rid = self.receiver.events.get_nowait()
-            except Exception:
+            except queue.Empty:
                 return
             self.role.on_transfer(rid)
 
