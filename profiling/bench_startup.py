@@ -99,12 +99,12 @@ def _run_stages(serve_args: list[str]) -> None:
     from engine.server.uvicorn_server import bind_socket, uvicorn_config
 
     t = mark("other imports", t)
-    import engine.core.llm_engine as llm_engine
+    import engine.core.engine_setup as engine_setup
     import engine.model.builder as model_builder
 
     timers = {"checkpoint": 0.0, "weights": 0.0}
     original_open = model_builder.open_checkpoint
-    original_build = llm_engine.build_model
+    original_build = engine_setup.build_model
 
     def timed_open(*a, **kw):
         t1 = time.perf_counter()
@@ -121,7 +121,7 @@ def _run_stages(serve_args: list[str]) -> None:
             timers["weights"] += time.perf_counter() - t1 - timers["checkpoint"]
 
     model_builder.open_checkpoint = timed_open
-    llm_engine.build_model = timed_build
+    engine_setup.build_model = timed_build
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
     from engine.cli.engine_options import add_engine_options

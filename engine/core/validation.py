@@ -33,6 +33,25 @@ def validate_prompt(
         )
 
 
+def validate_stage_fields(
+    num_prompt: int, ready: int | None, prefix: int | None, exact: bool, block_size: int
+) -> None:
+    """A pipeline stage's fields of a request (engine/core/stage_io.py): ValueError naming the
+    field and the limit."""
+    for name, value in (("ready_tokens", ready), ("prefix_tokens", prefix)):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+    if ready is not None and ready > num_prompt:
+        raise ValueError(f"ready_tokens ({ready}) must be <= the prompt's {num_prompt} tokens")
+    if exact and (prefix is None or prefix % block_size or prefix >= num_prompt):
+        raise ValueError(
+            "prefix_exact needs prefix_tokens, a multiple of the block size "
+            f"({block_size}) shorter than the prompt ({num_prompt} tokens), got {prefix!r}"
+        )
+
+
 def cap_for_tests(params: SamplingParams) -> SamplingParams:
     """``params`` with max_tokens (and min_tokens) at most ENGINE_TEST_MAX_TOKENS, a test-only
     cap (engine/envs.py), applied after validation so that it never changes what is refused."""

@@ -57,7 +57,7 @@ def test_cuda_n_becomes_the_current_device(monkeypatch):
 
 def test_the_engine_sets_the_device_before_it_loads_the_model(monkeypatch):
     """LLMEngine calls select_device (and takes the baseline) before build_model touches CUDA."""
-    from engine.core import llm_engine
+    from engine.core import engine_setup, llm_engine
 
     fake = FakeCuda().install(monkeypatch)
     order: list[str] = []
@@ -66,7 +66,7 @@ def test_the_engine_sets_the_device_before_it_loads_the_model(monkeypatch):
         order.append(f"build on current cuda:{fake.current}")
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(llm_engine, "build_model", build_model)
+    monkeypatch.setattr(engine_setup, "build_model", build_model)
     with pytest.raises(RuntimeError, match="stop here"):
         llm_engine.LLMEngine(EngineConfig(device="cuda:3"))
     assert fake.set_to == [3] and order == ["build on current cuda:3"]

@@ -12,10 +12,13 @@ from tiny_models import tiny_model
 
 import engine.core.cuda_graphs as cuda_graphs
 import engine.core.llm_engine as llm_engine
+import engine.core.sample_step as sample_step
 import engine.kernels.variants as kernel_variants
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.llm_engine import LLMEngine, kernel_shape, step_clock
+from engine.core.engine_setup import kernel_shape, prepare_gpu
+from engine.core.llm_engine import LLMEngine
 from engine.core.model_runner import ModelRunner
+from engine.core.step_clock import step_clock
 from engine.kernels.variants import ModelShape
 from engine.sampling_params import SamplingParams
 
@@ -45,7 +48,8 @@ def test_step_clock_synchronizes_on_cuda_only(monkeypatch):
 
 def test_the_step_splits_on_the_device_clock(engine, monkeypatch):
     clocks = []
-    monkeypatch.setattr(llm_engine, "step_clock", lambda d: clocks.append(d) or 0.0)
+    for module in (llm_engine, sample_step):  # before the forward, and after it
+        monkeypatch.setattr(module, "step_clock", lambda d: clocks.append(d) or 0.0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("synchronize on CPU"))
     engine.add_request("Hello there", SamplingParams(max_tokens=3, ignore_eos=True))
     steps = 0
@@ -61,15 +65,14 @@ def test_cuda_start_warms_up_then_captures(engine, monkeypatch):
     monkeypatch.setattr(kernel_variants, "warm_up", lambda *a: warmed.append(a) or (20, 0.0))
     monkeypatch.setattr(cuda_graphs, "CudaGraphBackend", lambda device: ("backend", device))
     monkeypatch.setattr(ModelRunner, "enable_graphs", lambda self, *a: captured.append(a))
-    engine._prepare_gpu()
+    prepare_gpu(engine.parts)
     cfg = engine.model_config
     shape = ModelShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
     assert warmed == [(shape, 16, torch.float32, engine.device)]
     assert captured == [(8, 256, ("backend", engine.device))]
 
     warmed.clear(), captured.clear()
-    monkeypatch.setattr(engine, "config", replace(engine.config, enforce_eager=True))
-    engine._prepare_gpu()
+    prepare_gpu(replace(engine.parts, config=replace(engine.config, enforce_eager=True)))
     assert len(warmed) == 1 and captured == []  # warm-up still, no graphs
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from engines import make_engine, run_all
 
-import engine.core.llm_engine as llm_engine_module
+import engine.core.sample_step as sample_step_module
 from engine.bench.json_schemas import SCHEMAS
 from engine.sampling_params import SamplingParams
 
@@ -224,7 +224,7 @@ def test_unconstrained_neighbour_unchanged(engine, prompt):
 
 def test_a_batch_without_constraints_never_builds_a_bitmask(engine, prompt, monkeypatch):
     calls, batches = [], []
-    real, sampler = llm_engine_module.step_bitmask, engine.sampler
+    real, sampler = sample_step_module.step_bitmask, engine.forward.sampler
 
     def spy(grammars, vocab_size):
         calls.append(len(grammars))
@@ -234,8 +234,8 @@ def test_a_batch_without_constraints_never_builds_a_bitmask(engine, prompt, monk
         batches.append(batch)
         return sampler(logits, batch)
 
-    monkeypatch.setattr(llm_engine_module, "step_bitmask", spy)
-    monkeypatch.setattr(engine, "sampler", sample)
+    monkeypatch.setattr(sample_step_module, "step_bitmask", spy)
+    monkeypatch.setattr(engine.forward, "sampler", sample)
     seeded = SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
     run_all(engine, [prompt, prompt], [UNCONSTRAINED, seeded])
     assert calls == [] and all(b.bitmask is None for b in batches)
