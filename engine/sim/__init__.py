@@ -4,6 +4,8 @@
 - ``simulator``: a discrete-event simulator of a disaggregated (or colocated) cluster that runs
   the engine's own Conductor and eviction policies on simulated time (``SimConfig``,
   ``Simulator``);
+- ``instances``: the state of the simulated instances it drives (their prefix caches,
+  ``SimCache``; the requests, prefill and decode instances);
 - ``simulate``: the body of ``python profiling/simulate.py``;
 - ``reproduce``: the body of ``python profiling/reproduce.py`` (``make reproduce``), which writes
   docs/reproduction.md: its experiments are in ``experiments``, its plots in ``plots``, the

@@ -25,8 +25,9 @@ import sys
 from pathlib import Path
 
 from engine.cluster.conductor.cost_model import get_cost_model
+from engine.sim.instances import SimCache
 from engine.sim.simulate import long_prompt_trace
-from engine.sim.simulator import SimCache, SimConfig, Simulator
+from engine.sim.simulator import SimConfig, Simulator
 from engine.sim.trace import load_trace
 
 INF = math.inf

@@ -6,7 +6,9 @@ and decode, vLLM-0.5 style: a waiting prefill runs before the next decode step, 
 running batch; requests go to the instance with the fewest outstanding). Times come from a
 ``CostModel``; prefix caches are the block store's real eviction policies
 (``engine.kvstore.eviction``) with a capacity in blocks, and the Conductor learns what each
-instance holds from the same ``stored``/``removed`` events the real instances publish.
+instance holds from the same ``stored``/``removed`` events the real instances publish. The
+instances' state (caches, queues, batches) is in engine/sim/instances.py; this module is the event
+model that drives it, and the results.
 
 What a prefill instance does: one request at a time, FIFO. It first copies the blocks the
 decision says to copy (those its source still holds), then prefills the tokens its cache lacks;
@@ -25,16 +27,15 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from engine.cluster.conductor.conductor import Conductor, ConductorConfig
 from engine.cluster.conductor.cost_model import CostModel, get_cost_model
-from engine.cluster.conductor.pipeline import SINGLE, PipelineShape, run_pipeline, stage_plan
+from engine.cluster.conductor.pipeline import PipelineShape, run_pipeline, stage_plan
 from engine.kvstore.eviction import POLICIES as EVICTIONS
-from engine.kvstore.eviction import make_policy
+from engine.sim.instances import SimCache, SimDecode, SimPrefill, SimRequest
 from engine.sim.trace import TraceRequest
 
 # FAST'25 Fig. 10: 3M tokens of DRAM cache per prefill node = 5,859 blocks of 512 tokens.
@@ -104,93 +105,6 @@ class SimConfig:
         )
 
 
-class SimCache:
-    """A prefix cache of ``capacity`` blocks under an eviction policy (keys: the trace's ids)."""
-
-    def __init__(self, capacity: int, eviction: str) -> None:
-        self.capacity = capacity
-        self.policy = make_policy(eviction)
-
-    def match(self, keys) -> int:
-        n = 0
-        for k in keys:
-            if k not in self.policy:
-                break
-            n += 1
-        return n
-
-    def touch(self, keys) -> None:
-        for k in keys:
-            self.policy.on_access(k)
-
-    def insert(self, keys, pinned) -> tuple[list, list]:
-        """Insert keys (a present key is refreshed); returns (new keys, evicted keys)."""
-        new, evicted = [], []
-        if self.capacity == 0:
-            return new, evicted
-        pol = self.policy
-        for pos, k in enumerate(keys):
-            if k in pol:
-                pol.on_access(k)
-                continue
-            while len(pol) >= self.capacity:
-                victim = pol.victim(pinned)
-                if victim is None:
-                    return new, evicted
-                pol.on_remove(victim)
-                evicted.append(victim)
-            pol.on_insert(k, pos)
-            new.append(k)
-        return new, evicted
-
-
-class _Req:
-    __slots__ = ("tr", "rid", "decision", "t_first", "cached", "compute_s", "first_step", "done")
-
-    def __init__(self, tr: TraceRequest) -> None:
-        self.tr = tr
-        self.rid = str(tr.index)
-        self.decision = None
-        self.t_first = math.nan
-        self.cached = 0
-        self.compute_s = 0.0
-        self.first_step = 0
-        self.done = False
-
-
-@dataclass
-class _Prefill:
-    """A prefill instance, or a group (its stages share one view of the cached blocks, as the
-    group reports the prefix all its stages hold)."""
-
-    name: str
-    cache: SimCache
-    queue: deque = field(default_factory=deque)
-    job: _Req | None = None  # the request entering it (a group: still on its first stage)
-    shape: PipelineShape = SINGLE
-    free: list[float] = field(default_factory=list)  # a group: when each stage is next idle
-
-
-@dataclass
-class _Decode:
-    name: str
-    capacity: int
-    max_batch: int
-    running: int = 0
-    ctx: int = 0  # KV tokens held
-    reserved: int = 0  # KV tokens reserved (prompt + output of every running request)
-    step: int = 0  # index of the next step to end
-    ends: list = field(default_factory=list)  # end time of each step
-    finishing: list = field(default_factory=list)  # heap (last step, seq, request)
-    waiting: deque = field(default_factory=deque)
-    stepping: bool = False
-    last_step_s: float = 0.0
-    # colocated instances also prefill
-    cache: SimCache | None = None
-    queue: deque = field(default_factory=deque)
-    prefilling: _Req | None = None
-
-
 ARRIVE, PREFILL_END, KV_ARRIVE, STEP_END, SAMPLE, COLOC_PREFILL_END, PREFILL_NEXT = range(7)
 
 
@@ -204,32 +118,36 @@ class Simulator:
         self._events: list = []
         self._seq = 0
         self.now = 0.0
-        self.prefills: dict[str, _Prefill] = {}
-        self.decodes: dict[str, _Decode] = {}
+        self.prefills: dict[str, SimPrefill] = {}
+        self.decodes: dict[str, SimDecode] = {}
         self.pool: SimCache | None = None
-        self.coloc: list[_Decode] = []
+        self.coloc: list[SimDecode] = []
         cap = self.cost.decode_kv_capacity_tokens
         if config.colocated:
             # vLLM keeps its prefix cache in the HBM the running requests leave free: the cache
             # gets the KV capacity in blocks, the admission check the same tokens.
             for i in range(config.colocated):
-                d = _Decode(f"c{i}", cap, self.cost.max_batch)
+                d = SimDecode(f"c{i}", cap, self.cost.max_batch)
                 d.cache = SimCache(cap // self.bt, config.eviction)
                 self.coloc.append(d)
         else:
             for i in range(config.prefill):
                 name = f"p{i}"
-                self.prefills[name] = _Prefill(name, SimCache(config.cache_blocks, config.eviction))
+                self.prefills[name] = SimPrefill(
+                    name, SimCache(config.cache_blocks, config.eviction)
+                )
                 self.conductor.add_instance(name, "prefill")
             shape = PipelineShape(config.stages, config.chunk_tokens)
             for i in range(config.prefill_groups):
                 name = f"g{i}"
                 cache = SimCache(config.cache_blocks, config.eviction)
-                self.prefills[name] = _Prefill(name, cache, shape=shape, free=[0.0] * shape.stages)
+                self.prefills[name] = SimPrefill(
+                    name, cache, shape=shape, free=[0.0] * shape.stages
+                )
                 self.conductor.add_instance(name, "prefill", shape=shape)
             for i in range(config.decode):
                 name = f"d{i}"
-                self.decodes[name] = _Decode(name, cap, self.cost.max_batch)
+                self.decodes[name] = SimDecode(name, cap, self.cost.max_batch)
                 self.conductor.add_instance(name, "decode", kv_capacity_tokens=cap)
             if config.pool_blocks:
                 self.pool = SimCache(config.pool_blocks, config.eviction)
@@ -256,7 +174,7 @@ class Simulator:
     def run(self) -> dict:
         wall = time.perf_counter()
         for tr in self.requests:
-            self._at(tr.arrival_s, ARRIVE, _Req(tr))
+            self._at(tr.arrival_s, ARRIVE, SimRequest(tr))
         if self.cfg.timeline_s and not self.cfg.colocated:
             self._at(0.0, SAMPLE, None)
         handlers = {
@@ -278,7 +196,7 @@ class Simulator:
                 break
         return self.summary(time.perf_counter() - wall)
 
-    def _finish(self, req: _Req, outcome: str) -> None:
+    def _finish(self, req: SimRequest, outcome: str) -> None:
         if req.rid in self.outcome:
             raise AssertionError(f"request {req.rid} ended twice")
         self.outcome[req.rid] = outcome
@@ -286,7 +204,7 @@ class Simulator:
 
     # -- disaggregated: arrival and prefill ------------------------------------------------------
 
-    def _arrive(self, req: _Req) -> None:
+    def _arrive(self, req: SimRequest) -> None:
         if self.cfg.colocated:
             return self._coloc_arrive(req)
         tr = req.tr
@@ -305,7 +223,7 @@ class Simulator:
     def _holder(self, name: str) -> SimCache:
         return self.pool if name == "pool" else self.prefills[name].cache
 
-    def _start_prefill(self, p: _Prefill) -> None:
+    def _start_prefill(self, p: SimPrefill) -> None:
         req = p.queue.popleft()
         p.job = req
         keys = req.tr.hash_ids
@@ -337,19 +255,19 @@ class Simulator:
         self._at(end, PREFILL_END, (p, req))
         self._at(next_at, PREFILL_NEXT, p)
 
-    def _prefill_next(self, p: _Prefill) -> None:
+    def _prefill_next(self, p: SimPrefill) -> None:
         p.job = None
         if p.queue:
             self._start_prefill(p)
 
-    def _store(self, p: _Prefill, keys, pinned) -> None:
+    def _store(self, p: SimPrefill, keys, pinned) -> None:
         new, evicted = p.cache.insert(keys, pinned)
         if new:
             self.conductor.on_event(p.name, {"type": "stored", "keys": new, "source": p.name})
         if evicted:
             self.conductor.on_event(p.name, {"type": "removed", "keys": evicted, "source": p.name})
 
-    def _prefill_end(self, job: tuple[_Prefill, _Req]) -> None:
+    def _prefill_end(self, job: tuple[SimPrefill, SimRequest]) -> None:
         p, req = job
         keys = req.tr.hash_ids
         self._store(p, keys, pinned=set(keys))
@@ -368,7 +286,7 @@ class Simulator:
 
     # -- decode ----------------------------------------------------------------------------------
 
-    def _kv_arrive(self, req: _Req) -> None:
+    def _kv_arrive(self, req: SimRequest) -> None:
         d = self.decodes[req.decision.decode]
         tr = req.tr
         need = tr.input_len + tr.output_len
@@ -383,7 +301,7 @@ class Simulator:
         d.waiting.append(req)
         self._admit(d)
 
-    def _admit(self, d: _Decode) -> None:
+    def _admit(self, d: SimDecode) -> None:
         while d.waiting:
             req = d.waiting[0]
             need = req.tr.input_len + req.tr.output_len
@@ -402,12 +320,12 @@ class Simulator:
         if d.running and not d.stepping:
             self._start_step(d)
 
-    def _start_step(self, d: _Decode) -> None:
+    def _start_step(self, d: SimDecode) -> None:
         d.stepping = True
         d.last_step_s = self.cost.decode_step_s(d.running, d.ctx)
         self._at(self.now + d.last_step_s, STEP_END, d)
 
-    def _step_end(self, d: _Decode) -> None:
+    def _step_end(self, d: SimDecode) -> None:
         d.stepping = False
         d.ends.append(self.now)
         done = d.step
@@ -430,7 +348,7 @@ class Simulator:
         if d.running and not d.stepping and d.prefilling is None:
             self._start_step(d)
 
-    def _complete(self, d: _Decode, req: _Req, intervals: np.ndarray) -> None:
+    def _complete(self, d: SimDecode, req: SimRequest, intervals: np.ndarray) -> None:
         if len(intervals):
             self.intervals[req.rid] = intervals
             k = max(1, len(intervals) // 10)
@@ -448,12 +366,12 @@ class Simulator:
 
     # -- colocated instances ---------------------------------------------------------------------
 
-    def _coloc_arrive(self, req: _Req) -> None:
+    def _coloc_arrive(self, req: SimRequest) -> None:
         d = min(self.coloc, key=lambda c: len(c.queue) + c.running + (c.prefilling is not None))
         d.queue.append(req)
         self._coloc_next(d)
 
-    def _coloc_next(self, d: _Decode) -> None:
+    def _coloc_next(self, d: SimDecode) -> None:
         """The instance is free: prefill the next waiting request if its KV fits, else decode."""
         if d.prefilling is not None or d.stepping:
             return
@@ -474,7 +392,7 @@ class Simulator:
         if d.running:
             self._start_step(d)
 
-    def _coloc_prefill_end(self, d: _Decode) -> None:
+    def _coloc_prefill_end(self, d: SimDecode) -> None:
         req, d.prefilling = d.prefilling, None
         tr = req.tr
         d.cache.insert(tr.hash_ids, set(tr.hash_ids))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,6 +235,55 @@ def test_attention_has_the_vector_path_of_this_cpu_under_its_cap():
     assert native.attention_path() == expected_attention_path(isa), isa.level
     if isa.level == "avx2":
         assert native.attention_path() == "avx2"
+
+
+def test_the_build_key_hashes_every_file_the_build_reads(monkeypatch, tmp_path):
+    # Every header of the folder is read by some source (gemv_avx2.h only through gemv.h), and
+    # every one the sources include, however deep, counts in the cache key: a change in any of
+    # them builds afresh instead of loading a library built from the old one.
+    here = native._HERE
+    on_disk = {p.name for p in here.iterdir() if p.suffix in (".c", ".h")}
+    assert set(native.build_inputs()) == on_disk
+    assert set(native.SOURCES) < on_disk
+    copy = tmp_path / "native"
+    shutil.copytree(here, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(native, "_HERE", copy)
+    cc = native.compiler()
+    key = native._build_key(cc)
+    assert native._build_key(cc) == key
+    for name in native.build_inputs():
+        if name in native.SOURCES:
+            continue
+        before = (copy / name).read_bytes()
+        (copy / name).write_bytes(before + b"/* changed */\n")
+        assert native._build_key(cc) != key, name
+        (copy / name).write_bytes(before)
+    assert native._build_key(cc) == key
+
+
+# The AVX-512 targets of engine/cpu_isa.py (ENGINE_CPU_ISA avx512 and avx512bf16) and the row
+# dots (gemv.h) and attention path (decode_attention.c) each must compile in.
+AVX512_TARGETS = [
+    (("-march=x86-64-v4",), b"int8:avx2 bf16:avx512 float:avx512"),
+    (
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+        b"int8:avx512vnni bf16:avx512bf16 float:avx512",
+    ),
+]
+
+
+@pytest.mark.skipif(not cpu_isa.this_cpu().x86, reason="the AVX-512 paths are x86-64's")
+@pytest.mark.parametrize("march, row_dots", AVX512_TARGETS, ids=["avx512", "avx512bf16"])
+def test_the_avx512_paths_compile(monkeypatch, tmp_path, march, row_dots):
+    # Compiled only (a CPU without AVX-512 cannot run them): every source builds for the AVX-512
+    # classes by the build's own code, with the paths those targets must take.
+    monkeypatch.setattr(native, "compile_flags", lambda: (*native.FLAGS, *march))
+    objects = {
+        Path(o).name: Path(o).read_bytes() for o in native._compile_all(native.compiler(), tmp_path)
+    }
+    assert set(objects) == {f"{src}.o" for src in native.SOURCES}
+    assert row_dots in objects["int8_matmul.c.o"]
+    assert b"avx512\0" in objects["decode_attention.c.o"]
 
 
 @pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`

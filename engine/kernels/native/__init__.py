@@ -4,7 +4,8 @@ On the CPU the engine's hot paths were torch references: a dozen ops per layer, 
 memory. The C sources beside this file do the same work in one pass (each lives next to the
 Triton kernel and the torch reference of its family, and has the same signature behind its
 launcher; decode_layer.c runs a whole decoder layer, see engine/layers/native_decode.py). They
-are compiled once per source, compiler and target into ``ENGINE_CACHE_DIR/native``
+are compiled once per source (the .c files and every header they include, ``build_inputs()``),
+compiler and target into ``ENGINE_CACHE_DIR/native``
 (``~/.cache/engine/native``), in about two seconds (the sources in parallel), with ``-O3
 -fopenmp`` and the target flags of engine/cpu_isa.py (``-march=native``, or under
 ``ENGINE_CPU_ISA`` ``-march=x86-64-v3`` for avx2, ``x86-64-v4`` for avx512, v4 with
@@ -30,6 +31,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -44,7 +46,8 @@ from engine.kernels.native import structs
 logger = logging.getLogger(__name__)
 
 SOURCES = ("decode_attention.c", "decode_layer.c", "float_matmul.c", "int8_matmul.c")
-HEADERS = ("dtypes.h", "gemv.h", "steal.h")
+# A local include (`#include "gemv.h"`): the headers a build reads besides the system's.
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 # The element types the kernels take, by the codes of dtypes.h.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-Wall")  # and the target's (compile_flags)
@@ -101,9 +104,27 @@ def _build_key(cc: str) -> str:
     if "-march=native" in flags:  # what native means is this CPU's
         h.update(cpu_isa.this_cpu().model.encode())
         h.update(" ".join(sorted(cpu_isa.this_cpu().hardware_flags)).encode())
-    for name in SOURCES + HEADERS:
+    for name in build_inputs():
+        h.update(name.encode())
         h.update((_HERE / name).read_bytes())
     return h.hexdigest()[:20]
+
+
+def build_inputs() -> tuple[str, ...]:
+    """The files of this folder a build reads, as paths relative to it: SOURCES and every header
+    they include with ``#include "..."``, through the headers that include others. The cache key
+    hashes them all, so a change in any header, however deep, builds afresh."""
+    found: list[str] = []
+    todo = list(SOURCES)
+    while todo:
+        name = todo.pop(0)
+        if name in found:
+            continue
+        found.append(name)
+        path = _HERE / name
+        for inc in _LOCAL_INCLUDE.findall(path.read_text()):
+            todo.append(os.path.relpath(os.path.normpath(path.parent / inc), _HERE))
+    return tuple(found)
 
 
 def _build(cc: str) -> Path:

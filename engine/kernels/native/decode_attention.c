@@ -12,9 +12,10 @@
    chunk, KV head). A sequence's chunks are merged by log-sum-exp in a fixed order. A sequence's result
    therefore depends only on its own length, never on the batch it runs in or the thread count.
 
-   Vector paths (engine_decode_attention_path says which was compiled in): AVX-512, and AVX2 with
-   FMA and F16C (x86-64-v3: 8 keys' dots at a time, bf16 widened by a shift, fp16 by F16C), each
-   for head_dim 64 and 128; plain loops otherwise and on other CPUs. The paths sum in different
+   Vector paths (engine_decode_attention_path says which was compiled in): AVX-512
+   (decode_attention_avx512.h), and AVX2 with FMA and F16C (decode_attention_avx2.h; x86-64-v3:
+   8 keys' dots at a time, bf16 widened by a shift, fp16 by F16C), each for head_dim 64 and 128;
+   plain loops otherwise and on other CPUs (here). The paths sum in different
    orders, so their bits differ from each other (not within one build).
 
    Numerics: scores, softmax and the weighted sum in float32 (exp by a degree-6 polynomial,
@@ -29,20 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_attention.h"
 #include "dtypes.h"
-
-#define CHUNK 256 /* tokens per work item; a multiple of every block size the engine allows */
-#define MAX_HEADS 256
-#define MAX_DIM 256
-
-#if defined(__AVX512F__)
-#define ATTN_PATH "avx512"
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define ATTN_AVX2 1
-#define ATTN_PATH "avx2"
-#else
-#define ATTN_PATH "c"
-#endif
 
 /* The vector path compiled in here: "avx512", "avx2" (AVX2 with FMA and F16C) or "c" (plain
    loops). */
@@ -116,20 +105,6 @@ static inline float exp_nonpositive(float x) {
     return p * v.f;
 }
 
-typedef struct {
-    int dt, heads, kv_heads, dim, block_size;
-    const void *q, *k, *v;
-    void *out;
-    const int32_t *tables, *lens;
-    int64_t sq_b, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_h, s_bt;
-    float scale;
-} Args;
-
-static inline int64_t row_offset(const int32_t *table, int t, int bs, int64_t s_b, int64_t s_s,
-                                 int64_t s_h, int kh) {
-    return (int64_t)table[t / bs] * s_b + (int64_t)(t % bs) * s_s + (int64_t)kh * s_h;
-}
-
 /* Portable loops: scores[h][t - t0] = q[h] . k[t], and acc[h] += p[h][t] * v[t]. */
 static void scores_generic(const Args *a, const int32_t *table, int kh, int t0, int t1,
                            const float *q, float *scores) {
@@ -160,287 +135,9 @@ static void values_generic(const Args *a, const int32_t *table, int kh, int t0, 
     }
 }
 
-#if defined(__AVX512F__)
-/* 16 elements of dtype dt at element offset i of p, as float32. */
-static inline __m512 load16(int dt, const void *p, int64_t i) {
-    if (dt == DT_BF16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    if (dt == DT_F16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-    return _mm512_loadu_ps((const float *)p + i);
-}
-
-/* The 16 horizontal sums of v[0..15] as one vector (r[j] = sum of v[j]'s lanes), in 45 shuffles
-   and adds instead of 16 separate reductions. */
-static inline __m512 sum16(const __m512 *v) {
-    __m512 u[8], x[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a02, b02, a13, b13] */
-        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) /* per 128-bit lane: the lane sums of 4 consecutive inputs */
-        x[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* head_dim = 16 * nv. Inlined with nv a constant, the query (scores) or the accumulator (values)
-   of one head lives in nv registers while the head's keys or values stream past. */
-static inline __attribute__((always_inline)) void scores_avx512(
-    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *q, float *scores,
-    const int nv) {
-    const int D = a->dim, G = a->heads / a->kv_heads;
-    for (int h = kh * G; h < (kh + 1) * G; h++) {
-        __m512 qv[16];
-        for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + (size_t)h * D + 16 * c);
-        for (int t = t0; t < t1; t += 16) {
-            const int n = t1 - t < 16 ? t1 - t : 16;
-            __m512 dots[16];
-            for (int j = 0; j < 16; j++) {
-                dots[j] = _mm512_setzero_ps();
-                if (j >= n) continue;
-                const int64_t off = row_offset(table, t + j, a->block_size, a->sk_b, a->sk_s,
-                                               a->sk_h, kh);
-                for (int c = 0; c < nv; c++)
-                    dots[j] = _mm512_fmadd_ps(qv[c], load16(a->dt, a->k, off + 16 * c), dots[j]);
-            }
-            _mm512_mask_storeu_ps(scores + (size_t)h * CHUNK + (t - t0),
-                                  (__mmask16)((1u << n) - 1u), sum16(dots));
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void values_avx512(
-    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *probs, float *acc,
-    const int nv) {
-    const int D = a->dim, G = a->heads / a->kv_heads;
-    for (int h = kh * G; h < (kh + 1) * G; h++) {
-        __m512 o[16];
-        for (int c = 0; c < nv; c++) o[c] = _mm512_setzero_ps();
-        const float *ph = probs + (size_t)h * CHUNK;
-        for (int t = t0; t < t1; t++) {
-            const __m512 p = _mm512_set1_ps(ph[t - t0]);
-            const int64_t off = row_offset(table, t, a->block_size, a->sv_b, a->sv_s,
-                                           a->sv_h, kh);
-            for (int c = 0; c < nv; c++)
-                o[c] = _mm512_fmadd_ps(p, load16(a->dt, a->v, off + 16 * c), o[c]);
-        }
-        for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + (size_t)h * D + 16 * c, o[c]);
-    }
-}
-
-#define SPECIALISE(NV)                                                                           \
-    static void scores_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
-                              const float *q, float *scores) {                                  \
-        scores_avx512(a, table, kh, t0, t1, q, scores, NV);                                     \
-    }                                                                                            \
-    static void values_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
-                              const float *probs, float *acc) {                                 \
-        values_avx512(a, table, kh, t0, t1, probs, acc, NV);                                    \
-    }
-SPECIALISE(4)  /* head_dim 64 */
-SPECIALISE(8)  /* head_dim 128 */
-#endif
-
-#if defined(ATTN_AVX2)
-/* The same loops in 8-lane registers (AVX2 with FMA; bf16 widened by a 16-bit shift, fp16 by
-   F16C). 8 elements of dtype dt at element offset i of p, as float32. */
-static inline __m256 load8(int dt, const void *p, int64_t i) {
-    if (dt == DT_BF16) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    if (dt == DT_F16)
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    return _mm256_loadu_ps((const float *)p + i);
-}
-
-/* The 8 horizontal sums of v[0..7] as one vector (r[j] = sum of v[j]'s lanes). */
-static inline __m256 sum8(const __m256 *v) {
-    __m256 u[4], x[2];
-    for (int i = 0; i < 4; i++) /* per 128-bit lane: [a02, b02, a13, b13] */
-        u[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 2; i++) /* per 128-bit lane: the lane sums of 4 consecutive inputs */
-        x[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20),
-                         _mm256_permute2f128_ps(x[0], x[1], 0x31));
-}
-
-/* The element offsets of tokens [t0, t1) of KV head kh (strides s_b, s_s, s_h), counted along
-   the block table without a division per token, padded to a multiple of 8 with the last. */
-static inline int chunk_offsets(const int32_t *table, int bs, int64_t s_b, int64_t s_s,
-                                int64_t s_h, int kh, int t0, int t1, int64_t *offs) {
-    int blk = t0 / bs, r = t0 % bs, n = t1 - t0;
-    for (int i = 0; i < n; i++) {
-        offs[i] = (int64_t)table[blk] * s_b + (int64_t)r * s_s + (int64_t)kh * s_h;
-        if (++r == bs) r = 0, blk++;
-    }
-    for (int i = n; i % 8; i++) offs[i] = offs[n - 1];
-    return n;
-}
-
-/* head_dim = 8 * nv. Scores: 8 keys at a time, their 8 dots in registers, the query's 8-column
-   pieces loaded once for the 8 keys (a padded group repeats the last key; its scores land past
-   the chunk's length, where nothing reads them). Values: up to 64 columns of a head's
-   accumulator in registers per pass over the chunk's rows. The offsets of a chunk's rows are
-   counted once per KV head. */
-static inline __attribute__((always_inline)) void scores_avx2(
-    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *q, float *scores,
-    const int nv) {
-    const int D = a->dim, G = a->heads / a->kv_heads;
-    int64_t offs[CHUNK];
-    const int n = chunk_offsets(table, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh, t0, t1,
-                                offs);
-    for (int h = kh * G; h < (kh + 1) * G; h++) {
-        const float *qh = q + (size_t)h * D;
-        for (int i = 0; i < n; i += 8) {
-            __m256 dots[8];
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) dots[j] = _mm256_setzero_ps();
-#pragma GCC unroll 16
-            for (int c = 0; c < nv; c++) {
-                const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++)
-                    dots[j] = _mm256_fmadd_ps(qc, load8(a->dt, a->k, offs[i + j] + 8 * c),
-                                              dots[j]);
-            }
-            _mm256_storeu_ps(scores + (size_t)h * CHUNK + i, sum8(dots));
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void values_avx2(
-    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *probs, float *acc,
-    const int nv) {
-    const int D = a->dim, G = a->heads / a->kv_heads;
-    int64_t offs[CHUNK];
-    const int n = chunk_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, t1,
-                                offs);
-    for (int h = kh * G; h < (kh + 1) * G; h++) {
-        const float *ph = probs + (size_t)h * CHUNK;
-        for (int c0 = 0; c0 < nv; c0 += 8) {
-            const int m = nv - c0 < 8 ? nv - c0 : 8;
-            __m256 o[8];
-#pragma GCC unroll 8
-            for (int c = 0; c < m; c++) o[c] = _mm256_setzero_ps();
-            for (int i = 0; i < n; i++) {
-                const __m256 p = _mm256_set1_ps(ph[i]);
-#pragma GCC unroll 8
-                for (int c = 0; c < m; c++)
-                    o[c] = _mm256_fmadd_ps(p, load8(a->dt, a->v, offs[i] + 8 * (c0 + c)), o[c]);
-            }
-#pragma GCC unroll 8
-            for (int c = 0; c < m; c++)
-                _mm256_storeu_ps(acc + (size_t)h * D + 8 * (c0 + c), o[c]);
-        }
-    }
-}
-
-/* Query heads that share a KV head (grouped-query attention: 3 per KV head in the default
-   model), up to 3 at a time, so that each K and V row is loaded once for all of them instead of
-   once per head (from L2: a chunk's float32 K of one KV head is 64 KB at head_dim 64). Scores:
-   4 keys x HS heads in 4 * HS accumulators, the HS query pieces and one key piece in registers;
-   values: 4 columns x HS heads. Every sum is formed in the same order as in scores_avx2 and
-   values_avx2 (one accumulator over the head's columns per key, reduced by sum8's tree, which
-   is the same for each of its inputs; the value sums in token order), so the bits are theirs. */
-static inline __attribute__((always_inline)) void scores_avx2_grouped(
-    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *q, float *scores,
-    const int nv, const int HS, int h0) {
-    const int D = a->dim;
-    int64_t offs[CHUNK];
-    const int n = chunk_offsets(table, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh, t0, t1,
-                                offs);
-    for (int i = 0; i < n; i += 4) {
-        __m256 dots[12];
-        for (int j = 0; j < 12; j++) dots[j] = _mm256_setzero_ps();
-#pragma GCC unroll 16
-        for (int c = 0; c < nv; c++) {
-            __m256 qc[3];
-            for (int g = 0; g < HS; g++) qc[g] = _mm256_loadu_ps(q + (size_t)(h0 + g) * D + 8 * c);
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
-                const __m256 kv = load8(a->dt, a->k, offs[i + j] + 8 * c);
-                for (int g = 0; g < HS; g++)
-                    dots[4 * g + j] = _mm256_fmadd_ps(qc[g], kv, dots[4 * g + j]);
-            }
-        }
-        float r[16];
-        _mm256_storeu_ps(r, sum8(dots));
-        if (HS == 3) {
-            __m256 rest[8];
-            for (int j = 0; j < 4; j++) rest[j] = dots[8 + j], rest[4 + j] = _mm256_setzero_ps();
-            _mm256_storeu_ps(r + 8, sum8(rest));
-        }
-        for (int g = 0; g < HS; g++)
-            for (int j = 0; j < 4; j++) scores[(size_t)(h0 + g) * CHUNK + i + j] = r[4 * g + j];
-    }
-}
-
-static inline __attribute__((always_inline)) void values_avx2_grouped(
-    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *probs, float *acc,
-    const int nv, const int HS, int h0) {
-    const int D = a->dim;
-    int64_t offs[CHUNK];
-    const int n = chunk_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, t1,
-                                offs);
-    for (int c0 = 0; c0 < nv; c0 += 4) {
-        const int m = nv - c0 < 4 ? nv - c0 : 4;
-        __m256 o[3][4];
-        for (int g = 0; g < HS; g++)
-            for (int c = 0; c < 4; c++) o[g][c] = _mm256_setzero_ps();
-        for (int i = 0; i < n; i++) {
-            __m256 p[3];
-            for (int g = 0; g < HS; g++) p[g] = _mm256_set1_ps(probs[(size_t)(h0 + g) * CHUNK + i]);
-#pragma GCC unroll 4
-            for (int c = 0; c < m; c++) {
-                const __m256 v = load8(a->dt, a->v, offs[i] + 8 * (c0 + c));
-                for (int g = 0; g < HS; g++) o[g][c] = _mm256_fmadd_ps(p[g], v, o[g][c]);
-            }
-        }
-        for (int g = 0; g < HS; g++)
-            for (int c = 0; c < m; c++)
-                _mm256_storeu_ps(acc + (size_t)(h0 + g) * D + 8 * (c0 + c), o[g][c]);
-    }
-}
-
-/* FN(..., HS, h) over the query heads of KV head kh in sets of 3, then a set of 2 or 1 (HS a
-   constant in each call, so each set's loops unroll). */
-#define FOR_HEAD_SETS(FN, ...)                                                                   \
-    for (int h = kh * G; h < (kh + 1) * G;) {                                                    \
-        const int hs = (kh + 1) * G - h;                                                         \
-        if (hs >= 3)                                                                             \
-            FN(__VA_ARGS__, 3, h), h += 3;                                                       \
-        else if (hs == 2)                                                                        \
-            FN(__VA_ARGS__, 2, h), h += 2;                                                       \
-        else                                                                                     \
-            FN(__VA_ARGS__, 1, h), h += 1;                                                       \
-    }
-
-#define SPECIALISE(NV)                                                                           \
-    static void scores_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
-                              const float *q, float *scores) {                                  \
-        const int G = a->heads / a->kv_heads;                                                    \
-        if (G == 1) return scores_avx2(a, table, kh, t0, t1, q, scores, NV);                     \
-        FOR_HEAD_SETS(scores_avx2_grouped, a, table, kh, t0, t1, q, scores, NV)                  \
-    }                                                                                            \
-    static void values_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
-                              const float *probs, float *acc) {                                 \
-        const int G = a->heads / a->kv_heads;                                                    \
-        if (G == 1) return values_avx2(a, table, kh, t0, t1, probs, acc, NV);                    \
-        FOR_HEAD_SETS(values_avx2_grouped, a, table, kh, t0, t1, probs, acc, NV)                 \
-    }
-SPECIALISE(8)  /* head_dim 64 */
-SPECIALISE(16) /* head_dim 128 */
-#endif
+/* The vector paths' scores_nv* and values_nv* (whichever this build compiles in). */
+#include "decode_attention_avx512.h"
+#include "decode_attention_avx2.h"
 
 /* Attention of sequence b's query heads that share KV heads [kh0, kh1) over tokens [t0, t1):
    their rows of the unnormalised output acc [heads, dim], the max m [heads] and the sum of

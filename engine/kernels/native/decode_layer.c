@@ -23,7 +23,7 @@
 #include "steal.h"
 
 #define ROW_BLOCK 16 /* output rows per work item */
-#define TILE_BLOCK 18 /* the same for float weights in tiles (gemv.h GEMV_FLOAT_TILES): 6 tiles */
+#define TILE_BLOCK 18 /* the same for float tiles (gemv_avx2.h GEMV_FLOAT_TILES): 6 tiles */
 #define MAX_DIM 256
 /* With several rows a weight row takes long enough that the hardware prefetcher falls behind:
    the row PF_ROWS ahead is prefetched by hand (4 x 512: 14 -> 12 ms int8 here). */

@@ -1,0 +1,40 @@
+/* What decode_attention.c and its vector paths (decode_attention_avx512.h,
+   decode_attention_avx2.h) share: the work item's limits, the vector path this build compiles in
+   (ATTN_PATH), the arguments of a call (Args) and where a token's K or V row lies. */
+
+#ifndef ENGINE_NATIVE_DECODE_ATTENTION_H
+#define ENGINE_NATIVE_DECODE_ATTENTION_H
+
+#include <stdint.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define CHUNK 256 /* tokens per work item; a multiple of every block size the engine allows */
+#define MAX_HEADS 256
+#define MAX_DIM 256
+
+#if defined(__AVX512F__)
+#define ATTN_PATH "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ATTN_AVX2 1
+#define ATTN_PATH "avx2"
+#else
+#define ATTN_PATH "c"
+#endif
+
+typedef struct {
+    int dt, heads, kv_heads, dim, block_size;
+    const void *q, *k, *v;
+    void *out;
+    const int32_t *tables, *lens;
+    int64_t sq_b, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_h, s_bt;
+    float scale;
+} Args;
+
+static inline int64_t row_offset(const int32_t *table, int t, int bs, int64_t s_b, int64_t s_s,
+                                 int64_t s_h, int kh) {
+    return (int64_t)table[t / bs] * s_b + (int64_t)(t % bs) * s_s + (int64_t)kh * s_h;
+}
+
+#endif

@@ -1,0 +1,206 @@
+/* decode_attention.c's AVX2 path (AVX2 with FMA and F16C, ATTN_AVX2): scores_nv* and values_nv*
+   for head_dim 64 (nv 8) and 128 (nv 16), 8 keys' dots summed at a time (sum8); the query heads
+   that share a KV head taken together (grouped). */
+
+#ifndef ENGINE_NATIVE_DECODE_ATTENTION_AVX2_H
+#define ENGINE_NATIVE_DECODE_ATTENTION_AVX2_H
+
+#include "decode_attention.h"
+#include "dtypes.h"
+
+#if defined(ATTN_AVX2)
+/* The same loops in 8-lane registers (AVX2 with FMA; bf16 widened by a 16-bit shift, fp16 by
+   F16C). 8 elements of dtype dt at element offset i of p, as float32. */
+static inline __m256 load8(int dt, const void *p, int64_t i) {
+    if (dt == DT_BF16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (dt == DT_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* The 8 horizontal sums of v[0..7] as one vector (r[j] = sum of v[j]'s lanes). */
+static inline __m256 sum8(const __m256 *v) {
+    __m256 u[4], x[2];
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: [a02, b02, a13, b13] */
+        u[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* per 128-bit lane: the lane sums of 4 consecutive inputs */
+        x[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20),
+                         _mm256_permute2f128_ps(x[0], x[1], 0x31));
+}
+
+/* The element offsets of tokens [t0, t1) of KV head kh (strides s_b, s_s, s_h), counted along
+   the block table without a division per token, padded to a multiple of 8 with the last. */
+static inline int chunk_offsets(const int32_t *table, int bs, int64_t s_b, int64_t s_s,
+                                int64_t s_h, int kh, int t0, int t1, int64_t *offs) {
+    int blk = t0 / bs, r = t0 % bs, n = t1 - t0;
+    for (int i = 0; i < n; i++) {
+        offs[i] = (int64_t)table[blk] * s_b + (int64_t)r * s_s + (int64_t)kh * s_h;
+        if (++r == bs) r = 0, blk++;
+    }
+    for (int i = n; i % 8; i++) offs[i] = offs[n - 1];
+    return n;
+}
+
+/* head_dim = 8 * nv. Scores: 8 keys at a time, their 8 dots in registers, the query's 8-column
+   pieces loaded once for the 8 keys (a padded group repeats the last key; its scores land past
+   the chunk's length, where nothing reads them). Values: up to 64 columns of a head's
+   accumulator in registers per pass over the chunk's rows. The offsets of a chunk's rows are
+   counted once per KV head. */
+static inline __attribute__((always_inline)) void scores_avx2(
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *q, float *scores,
+    const int nv) {
+    const int D = a->dim, G = a->heads / a->kv_heads;
+    int64_t offs[CHUNK];
+    const int n = chunk_offsets(table, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh, t0, t1,
+                                offs);
+    for (int h = kh * G; h < (kh + 1) * G; h++) {
+        const float *qh = q + (size_t)h * D;
+        for (int i = 0; i < n; i += 8) {
+            __m256 dots[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) dots[j] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+            for (int c = 0; c < nv; c++) {
+                const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++)
+                    dots[j] = _mm256_fmadd_ps(qc, load8(a->dt, a->k, offs[i + j] + 8 * c),
+                                              dots[j]);
+            }
+            _mm256_storeu_ps(scores + (size_t)h * CHUNK + i, sum8(dots));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void values_avx2(
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *probs, float *acc,
+    const int nv) {
+    const int D = a->dim, G = a->heads / a->kv_heads;
+    int64_t offs[CHUNK];
+    const int n = chunk_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, t1,
+                                offs);
+    for (int h = kh * G; h < (kh + 1) * G; h++) {
+        const float *ph = probs + (size_t)h * CHUNK;
+        for (int c0 = 0; c0 < nv; c0 += 8) {
+            const int m = nv - c0 < 8 ? nv - c0 : 8;
+            __m256 o[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < m; c++) o[c] = _mm256_setzero_ps();
+            for (int i = 0; i < n; i++) {
+                const __m256 p = _mm256_set1_ps(ph[i]);
+#pragma GCC unroll 8
+                for (int c = 0; c < m; c++)
+                    o[c] = _mm256_fmadd_ps(p, load8(a->dt, a->v, offs[i] + 8 * (c0 + c)), o[c]);
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < m; c++)
+                _mm256_storeu_ps(acc + (size_t)h * D + 8 * (c0 + c), o[c]);
+        }
+    }
+}
+
+/* Query heads that share a KV head (grouped-query attention: 3 per KV head in the default
+   model), up to 3 at a time, so that each K and V row is loaded once for all of them instead of
+   once per head (from L2: a chunk's float32 K of one KV head is 64 KB at head_dim 64). Scores:
+   4 keys x HS heads in 4 * HS accumulators, the HS query pieces and one key piece in registers;
+   values: 4 columns x HS heads. Every sum is formed in the same order as in scores_avx2 and
+   values_avx2 (one accumulator over the head's columns per key, reduced by sum8's tree, which
+   is the same for each of its inputs; the value sums in token order), so the bits are theirs. */
+static inline __attribute__((always_inline)) void scores_avx2_grouped(
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *q, float *scores,
+    const int nv, const int HS, int h0) {
+    const int D = a->dim;
+    int64_t offs[CHUNK];
+    const int n = chunk_offsets(table, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh, t0, t1,
+                                offs);
+    for (int i = 0; i < n; i += 4) {
+        __m256 dots[12];
+        for (int j = 0; j < 12; j++) dots[j] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+        for (int c = 0; c < nv; c++) {
+            __m256 qc[3];
+            for (int g = 0; g < HS; g++) qc[g] = _mm256_loadu_ps(q + (size_t)(h0 + g) * D + 8 * c);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m256 kv = load8(a->dt, a->k, offs[i + j] + 8 * c);
+                for (int g = 0; g < HS; g++)
+                    dots[4 * g + j] = _mm256_fmadd_ps(qc[g], kv, dots[4 * g + j]);
+            }
+        }
+        float r[16];
+        _mm256_storeu_ps(r, sum8(dots));
+        if (HS == 3) {
+            __m256 rest[8];
+            for (int j = 0; j < 4; j++) rest[j] = dots[8 + j], rest[4 + j] = _mm256_setzero_ps();
+            _mm256_storeu_ps(r + 8, sum8(rest));
+        }
+        for (int g = 0; g < HS; g++)
+            for (int j = 0; j < 4; j++) scores[(size_t)(h0 + g) * CHUNK + i + j] = r[4 * g + j];
+    }
+}
+
+static inline __attribute__((always_inline)) void values_avx2_grouped(
+    const Args *a, const int32_t *table, int kh, int t0, int t1, const float *probs, float *acc,
+    const int nv, const int HS, int h0) {
+    const int D = a->dim;
+    int64_t offs[CHUNK];
+    const int n = chunk_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, t1,
+                                offs);
+    for (int c0 = 0; c0 < nv; c0 += 4) {
+        const int m = nv - c0 < 4 ? nv - c0 : 4;
+        __m256 o[3][4];
+        for (int g = 0; g < HS; g++)
+            for (int c = 0; c < 4; c++) o[g][c] = _mm256_setzero_ps();
+        for (int i = 0; i < n; i++) {
+            __m256 p[3];
+            for (int g = 0; g < HS; g++) p[g] = _mm256_set1_ps(probs[(size_t)(h0 + g) * CHUNK + i]);
+#pragma GCC unroll 4
+            for (int c = 0; c < m; c++) {
+                const __m256 v = load8(a->dt, a->v, offs[i] + 8 * (c0 + c));
+                for (int g = 0; g < HS; g++) o[g][c] = _mm256_fmadd_ps(p[g], v, o[g][c]);
+            }
+        }
+        for (int g = 0; g < HS; g++)
+            for (int c = 0; c < m; c++)
+                _mm256_storeu_ps(acc + (size_t)(h0 + g) * D + 8 * (c0 + c), o[g][c]);
+    }
+}
+
+/* FN(..., HS, h) over the query heads of KV head kh in sets of 3, then a set of 2 or 1 (HS a
+   constant in each call, so each set's loops unroll). */
+#define FOR_HEAD_SETS(FN, ...)                                                                   \
+    for (int h = kh * G; h < (kh + 1) * G;) {                                                    \
+        const int hs = (kh + 1) * G - h;                                                         \
+        if (hs >= 3)                                                                             \
+            FN(__VA_ARGS__, 3, h), h += 3;                                                       \
+        else if (hs == 2)                                                                        \
+            FN(__VA_ARGS__, 2, h), h += 2;                                                       \
+        else                                                                                     \
+            FN(__VA_ARGS__, 1, h), h += 1;                                                       \
+    }
+
+#define SPECIALISE(NV)                                                                           \
+    static void scores_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
+                              const float *q, float *scores) {                                  \
+        const int G = a->heads / a->kv_heads;                                                    \
+        if (G == 1) return scores_avx2(a, table, kh, t0, t1, q, scores, NV);                     \
+        FOR_HEAD_SETS(scores_avx2_grouped, a, table, kh, t0, t1, q, scores, NV)                  \
+    }                                                                                            \
+    static void values_nv##NV(const Args *a, const int32_t *table, int kh, int t0, int t1,      \
+                              const float *probs, float *acc) {                                 \
+        const int G = a->heads / a->kv_heads;                                                    \
+        if (G == 1) return values_avx2(a, table, kh, t0, t1, probs, acc, NV);                    \
+        FOR_HEAD_SETS(values_avx2_grouped, a, table, kh, t0, t1, probs, acc, NV)                 \
+    }
+SPECIALISE(8)  /* head_dim 64 */
+SPECIALISE(16) /* head_dim 128 */
+#endif
+#undef SPECIALISE
+
+#endif
