@@ -37,13 +37,13 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.staging import KVLayout, StagingArena, checksum, scatter_tokens
+from engine.cluster.transfer.state import Transfer
 from engine.ipc import curve
 from engine.ipc.liveness import DATA_TIMEOUT_MS, watch_peer
 from engine.ipc.process_id import identify, is_gone
 from engine.kv_connector.base import KVConnector, LoadDone, WrapsPool
 from engine.kv_connector.device_copy import HostCopier, make_copier
-from engine.kv_connector.staging import KVLayout, StagingArena, checksum, scatter_tokens
-from engine.kv_connector.transfer_state import Transfer
 from engine.model.stages import PipelineStage
 
 log = logging.getLogger(__name__)
