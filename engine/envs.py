@@ -52,7 +52,8 @@ def curve_insecure() -> bool:
 
 def fault_kv() -> str | None:
     """ENGINE_FAULT_KV (tests only): faults injected into KV layer messages a prefill worker
-    sends, e.g. "drop=0.05,corrupt=0.05,delay=0.05,delay_s=0.3,seed=1" (kv_connector/faults.py)."""
+    sends, e.g. "drop=0.05,corrupt=0.05,delay=0.05,delay_s=0.3,seed=1"
+    (cluster/transfer/faults.py)."""
     return os.environ.get("ENGINE_FAULT_KV") or None
 
 

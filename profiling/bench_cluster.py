@@ -52,10 +52,10 @@ import zmq
 
 from engine.bench import trace as bench_trace
 from engine.cluster import messages as m
+from engine.cluster.transfer.receiver import KVReceiver
+from engine.cluster.transfer.sender import KVSender, SendTarget
+from engine.cluster.transfer.staging import KVLayout, StagingArena
 from engine.ipc import curve
-from engine.kv_connector.receiver import KVReceiver
-from engine.kv_connector.sender import KVSender, SendTarget
-from engine.kv_connector.staging import KVLayout, StagingArena
 
 LAYERS, HEADS, DIM, BS = 30, 3, 64, 16  # SmolLM2-135M's KV shape
 
@@ -98,7 +98,7 @@ def _receiver_main(
     )
     peer, base = "", 0
     if transport == "mooncake":
-        from engine.kv_connector.mooncake_transfer import MooncakeEndpoint
+        from engine.cluster.transfer.mooncake import MooncakeEndpoint
 
         mc = MooncakeEndpoint(hosts.receiver)
         peer, base = mc.address, mc.register(arena.buf)
@@ -229,7 +229,7 @@ class OurTransfer:
     ):
         self.mc = None
         if transport == "mooncake":
-            from engine.kv_connector.mooncake_transfer import MooncakeEndpoint
+            from engine.cluster.transfer.mooncake import MooncakeEndpoint
 
             self.mc = MooncakeEndpoint(hosts.sender)  # ValueError when the package is not there
         self.transport, self.tokens, self.table = transport, tokens, table

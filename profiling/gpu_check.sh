@@ -47,7 +47,7 @@ packaging:packaging exceptiongroup:exceptiongroup tomli:tomli"
 # The tests that run only on a GPU (skipped elsewhere): copies on a copy stream, pinned and
 # registered host memory, the P/D transfer and the pool's save and load from a CUDA cache.
 GPU_TESTS="tests/kv_connector/test_device_copy.py tests/kv_connector/test_pool_device.py
-tests/kv_connector/test_transfer_device.py"
+tests/cluster/transfer/test_transfer_device.py"
 
 cuda_ok() { "$1" -c 'import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
 

@@ -81,7 +81,7 @@ What the runs of 2026-12-03 found (the issue's two failing runs of seed 1 among 
   the prior where the measurements say nothing
   (`tests/cluster/conductor/test_conductor.py::test_prefill_model_of_one_prompt_length_stays_sane_off_it`).
 - **The hand-over is sealed**: a `KVDone` carries a seal over the request id, the prompt, every
-  piece's checksum and the first tokens (`engine/kv_connector/seal.py`); the decode worker
+  piece's checksum and the first tokens (`engine/cluster/transfer/seal.py`); the decode worker
   refuses a transfer whose seal is not the one it computes, and the router refuses a decode
   worker's continuation of a first token other than the one the client was sent, tokens that
   rewrite held ones, and finish reasons of the workers' own (`handed_over`, `stage_done`,

@@ -204,7 +204,7 @@ class Cluster:
 
     def start_worker(self, role: str, worker_id: str) -> subprocess.Popen:
         """Start (or restart, under the same name) a worker process."""
-        from engine.kv_connector.staging import remove_stale_arenas
+        from engine.cluster.transfer.staging import remove_stale_arenas
 
         old = self.procs.get(worker_id)
         if old is not None:
@@ -220,7 +220,7 @@ class Cluster:
         return proc
 
     def stop(self, timeout: float = 20.0) -> None:
-        from engine.kv_connector.staging import remove_stale_arenas
+        from engine.cluster.transfer.staging import remove_stale_arenas
 
         pool = self.procs.pop("pool", None)
         for proc in self.procs.values():

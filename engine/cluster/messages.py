@@ -65,8 +65,8 @@ class Register(Message, kind="register"):
     mooncake_address: str = ""  # decode over Mooncake: its Transfer Engine's address
     arena_addr: int = 0  # and the staging arena's registered base address
     copy_address: str = ""  # prefill: the PULL endpoint other prefill workers copy blocks to
-    # decode over shm: the digest of the nonce beside its staging arena (shm_proof.py), which a
-    # prefill worker proves it can read before the router lets it write there
+    # decode over shm: the digest of the nonce beside its staging arena (transfer/shm_proof.py),
+    # which a prefill worker proves it can read before the router lets it write there
     shm_digest: str = ""
     pid_ns: str = ""  # its pid namespace ("dev:inode"), compared only where /dev/shm is shared
     # prefill: a stage of a pipelined prefill group (chunked pipeline parallelism): the group's
@@ -175,9 +175,9 @@ class _PromptRequest(Message):
 class DecodeRequest(_PromptRequest, kind="decode_request"):
     deadline_s: float  # seconds the transfer may take before the failure policy applies
     # The prefill worker placed with it: its pid, and whether the router proved that it shares
-    # this worker's /dev/shm and pid namespace (shm_proof.py). Then the decode worker watches
-    # that pid: the request's staging area is freed, and its transfer failed, as soon as that
-    # process is gone. Else the pid means nothing here (another host or container).
+    # this worker's /dev/shm and pid namespace (transfer/shm_proof.py). Then the decode worker
+    # watches that pid: the request's staging area is freed, and its transfer failed, as soon as
+    # that process is gone. Else the pid means nothing here (another host or container).
     sender_pid: int = 0
     sender_local: bool = False
     # KVDone messages that end the transfer: 1 from a single prefill worker, one per stage from
@@ -211,7 +211,7 @@ class PrefillRequest(_PromptRequest, kind="prefill_request"):
 
 class ShmProbe(Message, kind="shm_probe"):
     """To a prefill worker: read the nonce beside this decode worker's staging arena and answer
-    ``ShmReach`` (shm_proof.py); until a matching answer, KV to it goes over TCP."""
+    ``ShmReach`` (transfer/shm_proof.py); until a matching answer, KV to it goes over TCP."""
 
     decode_id: str
     shm_path: str
@@ -286,7 +286,7 @@ class KVDone(Message, kind="kv_done"):
     # last stage alone sends ``firsts`` (the decode worker waits for DecodeRequest.senders).
     layer_start: int = 0
     layer_end: int = 0
-    # kv_connector/seal.py: the request id, prompt, pieces sent and first tokens, hashed; the
+    # cluster/transfer/seal.py: the request id, prompt, pieces sent and first tokens, hashed; the
     # decode worker refuses a transfer whose seal is not the one it computes (hex: the header
     # holds no msgpack bin values)
     seal: str = ""

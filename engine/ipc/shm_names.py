@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 SHM_DIR = "/dev/shm"
-STAGING_PREFIX = "engine-kvstage-"  # a decode worker's staging arena (kv_connector/staging.py)
+STAGING_PREFIX = "engine-kvstage-"  # a decode worker's staging arena (cluster/transfer/staging.py)
 POOL_PREFIX = "engine-kv-"  # the pool's DRAM arenas and its host nonce (kvcache/)
 MAX_NAME = 200
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")

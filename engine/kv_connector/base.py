@@ -1,7 +1,9 @@
 """The KV-connector seam: KV that lives outside the paged cache, loaded into it and saved from it.
 
 The scheduler and the step loop know only this interface. The tiered pool is one implementation
-(``kv_connector/pool.py``); the decode worker's receiver of a prefill worker's KV is another.
+(``kv_connector/pool.py``); the decode worker's receiver of a prefill worker's KV
+(``cluster/transfer/receiver.py``, handed to the engine by the worker's connector factory) is
+another; nothing here imports the cluster.
 Smaller than vLLM's KVConnectorBase_V1 because our scheduler and model runner share a process:
 
 - ``lookup``: how many of a request's next tokens (after those already in the device cache) the

@@ -242,7 +242,7 @@ class Chaos:
         pid = p.popen.pid if p.popen else None
         p.kill()
         if name in ("prefill", "decode") and pid is not None:
-            from engine.kv_connector.staging import remove_stale_arenas
+            from engine.cluster.transfer.staging import remove_stale_arenas
 
             remove_stale_arenas([pid])  # what the launcher does for a dead worker
         time.sleep(self.rng.uniform(0.3, 1.5))
@@ -266,7 +266,7 @@ class Chaos:
             self.hog.wait(10)
         for name in ("prefill", "decode", "router", "pool"):
             self.procs[name].stop()
-        from engine.kv_connector.staging import remove_stale_arenas
+        from engine.cluster.transfer.staging import remove_stale_arenas
 
         pids = [pid for p in self.procs.values() for pid in p.pids]
         stale_staging = remove_stale_arenas(pids)  # files of SIGKILLed decode workers

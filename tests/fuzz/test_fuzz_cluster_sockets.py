@@ -23,8 +23,8 @@ from test_fuzz_decoders import CLUSTER_HEADERS
 
 from engine.cluster import messages as m
 from engine.cluster.router.router import Router, RouterConfig
-from engine.kv_connector.receiver import KVReceiver
-from engine.kv_connector.staging import StagingArena, checksum
+from engine.cluster.transfer.receiver import KVReceiver
+from engine.cluster.transfer.staging import StagingArena, checksum
 from engine.sampling_params import SamplingParams
 
 START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from test_fuzz_decoders import CLUSTER_HEADERS
 
 from engine.cluster import messages as m
-from engine.kv_connector.staging import StagingArena
+from engine.cluster.transfer.staging import StagingArena
 
 START = 0.0  # when the module started (tests/fuzz/conftest.py sets it)
 

@@ -108,7 +108,7 @@ def test_good_shm_names_pass():
 
 def test_a_prefill_worker_maps_only_staging_arenas(tmp_path):
     """The path comes in a router message: a crafted one is refused before any open()."""
-    from engine.kv_connector.staging import PeerArenas
+    from engine.cluster.transfer.staging import PeerArenas
 
     victim = tmp_path / "engine-kvstage-victim"
     victim.write_bytes(b"x" * 4096)

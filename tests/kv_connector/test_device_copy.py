@@ -199,7 +199,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 def test_cuda_copies_round_trip_on_a_gpu():
-    from engine.kv_connector.staging import StagingArena
+    from engine.cluster.transfer.staging import StagingArena
 
     c = make_copier("cuda")
     cache = torch.randn(8, 4, device="cuda")

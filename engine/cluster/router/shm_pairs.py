@@ -1,8 +1,8 @@
-"""Which prefill workers share a decode worker's /dev/shm, by proof (engine/kv_connector/
-shm_proof.py), never by hostname: the router asks each prefill worker to read the nonce beside
-each decode worker's staging arena (``ShmProbe``) when either registers, and counts a pair as
-sharing memory only once the answer (``ShmReach``) matches the digest the decode worker
-registered. A restarted decode worker has a new arena and digest, so old proofs lapse by
+"""Which prefill workers share a decode worker's /dev/shm, by proof
+(engine/cluster/transfer/shm_proof.py), never by hostname: the router asks each prefill worker to
+read the nonce beside each decode worker's staging arena (``ShmProbe``) when either registers, and
+counts a pair as sharing memory only once the answer (``ShmReach``) matches the digest the decode
+worker registered. A restarted decode worker has a new arena and digest, so old proofs lapse by
 themselves; a pair without proof (yet) sends KV over TCP. Runs on the router's IO thread."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from engine.cluster import messages as m
 from engine.cluster.router.membership import Worker
-from engine.kv_connector.shm_proof import proves
+from engine.cluster.transfer.shm_proof import proves
 
 
 def probes(new: Worker, workers: Iterable[Worker]) -> list[tuple[Worker, m.ShmProbe]]:

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.receiver import KVReceiver
+from engine.cluster.transfer.seal import prompt_digest
+from engine.cluster.transfer.sender import KVSender, SendTarget
+from engine.cluster.transfer.staging import KVLayout
 from engine.cluster.worker.handoff import Captured, admit, capture, first_output
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request
 from engine.core.scheduler import QueueFullError
 from engine.ipc.wire import output_to_wire, params_from_wire
-from engine.kv_connector.receiver import KVReceiver
-from engine.kv_connector.seal import prompt_digest
-from engine.kv_connector.sender import KVSender, SendTarget
-from engine.kv_connector.staging import KVLayout
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.compiler import GrammarBusyError
@@ -301,7 +301,7 @@ class DecodeRole:
                 continue
             moved = [
                 # "first": the token the choice went on from, which the router checks is the
-                # one the client was sent (kv_connector/seal.py)
+                # one the client was sent (cluster/transfer/seal.py)
                 {**output_to_wire(c, offsets=True), "first": c.token_ids[0] if c.token_ids else -1}
                 for c in out.outputs
                 if c.new_token_ids or c.new_text or c.finish_reason

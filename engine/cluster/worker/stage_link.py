@@ -43,9 +43,9 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.staging import checksum
 from engine.ipc import curve
 from engine.ipc.liveness import DATA_TIMEOUT_MS, watch_peer
-from engine.kv_connector.staging import checksum
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.sender import KVSender
+from engine.cluster.transfer.staging import KVLayout
 from engine.cluster.worker.roles import Emit, PrefillRole, _Prefill
 from engine.core.llm_engine import LLMEngine
 from engine.core.scheduler_output import ScheduledRequest
 from engine.core.stage_io import StageIO, parent_request_id
 from engine.ipc.wire import params_from_wire
-from engine.kv_connector.sender import KVSender
-from engine.kv_connector.staging import KVLayout
 from engine.model.stages import PipelineStage
 from engine.sampling_params import SamplingParams
 

@@ -30,10 +30,10 @@ import zmq
 
 from engine.cluster import messages as m
 from engine.cluster.conductor.step_stats import StepStats
+from engine.cluster.transfer import shm_proof
 from engine.config import EngineConfig
 from engine.ipc import curve
 from engine.ipc.liveness import watch_peer
-from engine.kv_connector import shm_proof
 from engine.kvstore.block_events import EVENT_KEYS, BlockEvent
 from engine.model.stages import WHOLE_MODEL, PipelineStage
 
@@ -176,11 +176,11 @@ class Worker:
         engine has built its model and cache, so a failed build leaves no arena behind."""
         cfg = self.cfg
         if cfg.transport == "mooncake":
-            from engine.kv_connector.mooncake_transfer import MooncakeEndpoint
+            from engine.cluster.transfer.mooncake import MooncakeEndpoint
 
             self.mooncake = MooncakeEndpoint(cfg.kv_host, cfg.mooncake_metadata)
         if cfg.role == "prefill":
-            from engine.kv_connector.sender import KVSender
+            from engine.cluster.transfer.sender import KVSender
 
             self.sender = KVSender(
                 cache.kv,
@@ -191,12 +191,12 @@ class Worker:
                 model_layers=cache.model_layers,
             )
             return self.sender
-        from engine.kv_connector.receiver import KVReceiver
-        from engine.kv_connector.staging import StagingArena
+        from engine.cluster.transfer.receiver import KVReceiver
+        from engine.cluster.transfer.staging import StagingArena
 
         self.arena = StagingArena(cfg.staging_mb << 20, shared=cfg.transport == "shm")
         if self.arena.path:
-            from engine.kv_connector.shm_proof import ArenaNonce
+            from engine.cluster.transfer.shm_proof import ArenaNonce
 
             self.arena_nonce = ArenaNonce(self.arena.path)
         self.receiver = KVReceiver(

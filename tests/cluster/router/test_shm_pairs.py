@@ -9,8 +9,8 @@ import os
 from engine.cluster import messages as m
 from engine.cluster.router import shm_pairs
 from engine.cluster.router.membership import Worker
-from engine.kv_connector.shm_proof import ArenaNonce, digest, pid_namespace, proves, read_nonce
-from engine.kv_connector.staging import StagingArena
+from engine.cluster.transfer.shm_proof import ArenaNonce, digest, pid_namespace, proves, read_nonce
+from engine.cluster.transfer.staging import StagingArena
 
 
 def worker(wid: str, role: str, **kw) -> Worker:

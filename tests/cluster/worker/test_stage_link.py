@@ -17,9 +17,9 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.staging import checksum
 from engine.cluster.worker.stage_link import HiddenReceiver, HiddenSender, row_bytes
 from engine.ipc import curve
-from engine.kv_connector.staging import checksum
 
 H = 8  # hidden size
 WAIT_S = 20.0  # every bounded wait; far beyond what a healthy run needs

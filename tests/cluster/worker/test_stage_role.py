@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.staging import KVLayout
 from engine.cluster.worker.stage_role import LinkIO, StageRole
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.llm_engine import LLMEngine
 from engine.ipc.wire import params_to_wire
-from engine.kv_connector.staging import KVLayout
 from engine.model.stages import PipelineStage
 from engine.sampling_params import SamplingParams
 

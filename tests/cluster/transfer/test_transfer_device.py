@@ -14,10 +14,10 @@ import torch
 from fake_device import DEVICE, fake_device
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.receiver import KVReceiver
+from engine.cluster.transfer.sender import KVSender, SendTarget
+from engine.cluster.transfer.staging import KVLayout, StagingArena, gather_tokens
 from engine.kv_connector.device_copy import DeviceCopier, Ready
-from engine.kv_connector.receiver import KVReceiver
-from engine.kv_connector.sender import KVSender, SendTarget
-from engine.kv_connector.staging import KVLayout, StagingArena, gather_tokens
 
 L, NB, BS, H, D = 3, 8, 4, 2, 4
 TABLE = [5, 2, 7]  # tokens 0-3 -> block 5, 4-7 -> 2, 8-9 -> 7

@@ -17,9 +17,9 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.receiver import QUARANTINE_S, KVReceiver
+from engine.cluster.transfer.staging import StagingArena, checksum
 from engine.ipc.process_id import identify, is_gone
-from engine.kv_connector.receiver import QUARANTINE_S, KVReceiver
-from engine.kv_connector.staging import StagingArena, checksum
 
 L, NB, BS, H, D = 2, 4, 4, 2, 4
 T = 8  # tokens per transfer

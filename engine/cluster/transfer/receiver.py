@@ -37,14 +37,14 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.staging import KVLayout, StagingArena, checksum, scatter_tokens
+from engine.cluster.transfer.state import Transfer
+from engine.cluster.transfer.writers import may_still_write, watch_writers
 from engine.ipc import curve
 from engine.ipc.liveness import DATA_TIMEOUT_MS, watch_peer
-from engine.ipc.process_id import identify, is_gone
+from engine.ipc.process_id import is_gone
 from engine.kv_connector.base import KVConnector, LoadDone, WrapsPool
 from engine.kv_connector.device_copy import HostCopier, make_copier
-from engine.kv_connector.staging import KVLayout, StagingArena, checksum, scatter_tokens
-from engine.kv_connector.transfer_state import Transfer
-from engine.model.stages import PipelineStage
 
 log = logging.getLogger(__name__)
 
@@ -144,30 +144,7 @@ class KVReceiver(WrapsPool):
             t = Transfer(request_id, offset, layout, time.monotonic() + deadline_s, senders=senders)
             t.pieces = [[] for _ in range(self.num_layers)]
             t.prompt_digest = prompt_digest
-            local = sender_local
-            if sender_pid > 0 and local:
-                # Identified while the router still counts it alive, so a pid reused later is
-                # told apart. Watched while the transfer runs: a sender SIGKILLed mid-transfer
-                # takes its unsent layers and KVDone with it, and the router, which may already
-                # have its first token, no longer waits on it; expire() fails the transfer at
-                # once rather than at the deadline.
-                t.sender = identify(sender_pid)
-            if self.local_writers and sender_pid > 0:
-                if not local:
-                    t.may_write = False  # it cannot map this host's memory: it sends frames
-                else:
-                    # Gone already, it will never write (no PrefillRequest).
-                    t.writer = t.sender
-                    t.may_write = t.writer is not None
-            if stage_pids and self.local_writers:
-                for i, pid in enumerate(stage_pids):
-                    start = PipelineStage(i, senders).layer_range(self.num_layers).start
-                    if pid == 0:
-                        t.writers[start] = None  # unknown: it may write until it is done
-                    elif pid > 0 and (w := identify(pid)) is not None:
-                        t.writers[start] = w  # watched; gone already, it never writes
-                    # -1: elsewhere, it sends frames
-                t.may_write = bool(t.writers)
+            watch_writers(t, sender_pid, sender_local, stage_pids, self.local_writers)
             self._transfers[request_id] = t
             self.counters["transfers"] += 1
             return t
@@ -203,28 +180,10 @@ class KVReceiver(WrapsPool):
         if not t.finished:
             t.finished = True
             t.error = t.error or "released"
-        if self._may_still_write(t):
+        if may_still_write(t, self.remote_writes):
             t.released_at = time.monotonic()
         else:
             self._free(t)
-
-    def _may_still_write(self, t: Transfer) -> bool:
-        """Lock held: whether a sender might still write into t's area, so it cannot be reused."""
-        if not self.remote_writes or t.sender_done or not t.may_write:
-            return False
-        if t.inline:
-            return False  # TCP: this side copies the frames; late ones are dropped
-        if t.writers:  # a group: a stage not done whose process may be alive
-            return any(
-                start not in t.reported_by and (w is None or not is_gone(w))
-                for start, w in t.writers.items()
-            )
-        if t.writer is None:
-            return True  # not told who sends (Mooncake, or an older router): wait
-        if is_gone(t.writer):
-            t.may_write = False  # its memory maps died with it
-            return False
-        return True
 
     def expire(self, now: float) -> list[str]:
         """Transfers past their deadline without KVDone: failed (the worker applies the policy).
@@ -233,7 +192,8 @@ class KVReceiver(WrapsPool):
         with self._lock:
             for t in list(self._transfers.values()):
                 if t.released_at is not None:
-                    if now > t.released_at + QUARANTINE_S or not self._may_still_write(t):
+                    over = now > t.released_at + QUARANTINE_S
+                    if over or not may_still_write(t, self.remote_writes):
                         self._free(t)
                 elif not t.finished and now > t.deadline:
                     self._end(

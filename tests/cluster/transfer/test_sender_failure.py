@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from engine.kv_connector.receiver import KVReceiver
-from engine.kv_connector.sender import KVSender, SendTarget
-from engine.kv_connector.staging import ARENA_PREFIX, StagingArena
+from engine.cluster.transfer.receiver import KVReceiver
+from engine.cluster.transfer.sender import KVSender, SendTarget
+from engine.cluster.transfer.staging import ARENA_PREFIX, StagingArena
 
 L, NB, BS, H, D = 2, 8, 4, 2, 4
 T = 10

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from fake_device import DEVICE, fake_device
 
+from engine.cluster.transfer.staging import gather_tokens, scatter_tokens
 from engine.kv_connector.device_copy import DeviceCopier, HostCopier
-from engine.kv_connector.staging import gather_tokens, scatter_tokens
 
 BLOCKS, BS, HEADS, DIM = 6, 4, 2, 3
 

@@ -9,7 +9,7 @@ prompt its ``DecodeRequest`` named, the pieces it verified, the first tokens in 
 and refuses a transfer whose seal differs: a request assembled from mismatched parts is
 recomputed or fails, never decoded. The router closes the chain at the other end: the decode
 worker's outputs name the first token each choice continued from, which must be the one the
-client was sent (router/outputs.py).
+client was sent (cluster/router/outputs.py).
 """
 
 from __future__ import annotations

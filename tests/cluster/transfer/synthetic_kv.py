@@ -11,8 +11,8 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
-from engine.kv_connector.receiver import KVReceiver
-from engine.kv_connector.staging import StagingArena, checksum
+from engine.cluster.transfer.receiver import KVReceiver
+from engine.cluster.transfer.staging import StagingArena, checksum
 
 L, NB, BS, H, D = 3, 8, 4, 2, 4
 

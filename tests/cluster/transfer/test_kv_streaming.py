@@ -18,11 +18,11 @@ from engines import make_engine, run_all
 from synthetic_kv import BS, NB, D, H, L, send_layers, synthetic, wait_event, wait_freed
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.receiver import KVReceiver
+from engine.cluster.transfer.sender import KVSender
+from engine.cluster.transfer.staging import KVLayout, StagingArena, checksum
 from engine.cluster.worker.roles import DecodeRole, PrefillRole
 from engine.ipc.wire import params_to_wire
-from engine.kv_connector.receiver import KVReceiver
-from engine.kv_connector.sender import KVSender
-from engine.kv_connector.staging import KVLayout, StagingArena, checksum
 from engine.sampling_params import SamplingParams
 
 PROMPT = list(range(1000, 1000 + 150))
@@ -45,7 +45,7 @@ class Pair:
         self.router: list[m.Message] = []
         self.peer, self.base, mc = "", 0, None
         if transport == "mooncake":
-            from engine.kv_connector.mooncake_transfer import MooncakeEndpoint
+            from engine.cluster.transfer.mooncake import MooncakeEndpoint
 
             d_mc, mc = MooncakeEndpoint(), MooncakeEndpoint()
             self.peer, self.base = d_mc.address, d_mc.register(self.arena.buf)
@@ -215,7 +215,7 @@ def test_kv_of_another_prompt_is_refused_by_its_seal_and_never_answered(expected
     length: every layer arrives intact (its checksum passes), but the KVDone's seal covers the
     prompt, the pieces and the first tokens, so the decode worker refuses the transfer and
     recomputes its own prompt; the router then refuses the decode worker's continuation of a
-    first token that is not the one the prefill worker sent (kv_connector/seal.py)."""
+    first token that is not the one the prefill worker sent (cluster/transfer/seal.py)."""
     from types import SimpleNamespace
 
     from engine.cluster.router.outputs import integrity_problem
@@ -557,7 +557,7 @@ def test_arena_allocator_merges_free_runs():
 
 @pytest.mark.parametrize("start, end", [(0, 10), (3, 10), (4, 8), (1, 3), (5, 12), (0, 12)])
 def test_gather_and_scatter_tokens_by_blocks_and_tokens(start, end):
-    from engine.kv_connector.staging import gather_tokens, scatter_tokens
+    from engine.cluster.transfer.staging import gather_tokens, scatter_tokens
 
     kv = torch.randn(L, 2, NB, BS, H, D)
     table = torch.tensor([6, 1, 3], dtype=torch.long)
@@ -591,8 +591,8 @@ def test_mooncake_transfer_engine_matches_colocated(expected):
 def test_sender_streamed_and_not_streamed(transport):
     """The sender as the engine drives it: layers from the forward's hook (inference mode), or all
     after the prefill (streaming off, outside it), reusing the streamed sends' buffers."""
+    from engine.cluster.transfer.sender import SendTarget
     from engine.kv_connector.base import StepBlocks
-    from engine.kv_connector.sender import SendTarget
 
     kv, arena, rx = synthetic(transport)
     cache = torch.randn(L, 2, NB, BS, H, D)
@@ -631,7 +631,7 @@ def test_a_new_staging_arena_removes_those_of_dead_workers_only():
     import subprocess
     import sys
 
-    from engine.kv_connector.staging import ARENA_PREFIX
+    from engine.cluster.transfer.staging import ARENA_PREFIX
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -11,10 +11,10 @@ tokens (and, on the first chunk, any prefix the prefill worker found cached) lea
   as two raw ZeroMQ frames (K rows, V rows) without a copy, and ZeroMQ's IO thread writes them
   while layer i+1 computes.
 
-A cache on a GPU goes through its copier (``device_copy.py``): the layer is gathered on a copy
-stream once the forward's stream has queued its KV store, copied into the (registered) staging
-area or a pinned buffer, and the sender thread waits for that copy's event and hashes the bytes,
-so neither the forward's stream nor the engine thread waits for the copy.
+A cache on a GPU goes through its copier (``kv_connector/device_copy.py``): the layer is gathered
+on a copy stream once the forward's stream has queued its KV store, copied into the (registered)
+staging area or a pinned buffer, and the sender thread waits for that copy's event and hashes the
+bytes, so neither the forward's stream nor the engine thread waits for the copy.
 
 Either way layer i is on its way while layer i+1 computes. ``finish`` queues ``KVDone`` (the
 first tokens and the sampler state) behind the request's last layer on the same socket, so the
@@ -38,13 +38,13 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.transfer import faults
+from engine.cluster.transfer.seal import seal
+from engine.cluster.transfer.staging import KVLayout, PeerArenas, checksum, gather_tokens
 from engine.ipc import curve
 from engine.ipc.liveness import DATA_TIMEOUT_MS, watch_peer
-from engine.kv_connector import faults
 from engine.kv_connector.base import KVConnector, LoadDone, StepBlocks, WrapsPool
 from engine.kv_connector.device_copy import HostCopier, Ready, make_copier
-from engine.kv_connector.seal import seal
-from engine.kv_connector.staging import KVLayout, PeerArenas, checksum, gather_tokens
 
 log = logging.getLogger(__name__)
 

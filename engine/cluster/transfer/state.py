@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.seal import seal
+from engine.cluster.transfer.staging import KVLayout
 from engine.ipc.process_id import ProcessId
-from engine.kv_connector.seal import seal
-from engine.kv_connector.staging import KVLayout
 
 
 @dataclass

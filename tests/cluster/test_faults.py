@@ -17,7 +17,7 @@ from engines import make_engine, run_all
 
 from engine.cluster.launcher import Cluster
 from engine.cluster.router.router import ClusterUnavailableError, RouterConfig
-from engine.kv_connector.staging import ARENA_PREFIX
+from engine.cluster.transfer.staging import ARENA_PREFIX
 from engine.kvstore.dram_tier import SHM_PREFIX
 from engine.sampling_params import SamplingParams
 
