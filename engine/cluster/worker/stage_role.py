@@ -55,7 +55,8 @@ class LinkIO(StageIO):
         self.next_address: dict[str, str] = {}  # request id -> the next stage's endpoint
 
     def start(self, ctx, bind: str, hidden_size: int, dtype: torch.dtype, wake) -> None:
-        from engine.cluster.worker.stage_link import HiddenReceiver, HiddenSender
+        from engine.cluster.worker.hidden_receiver import HiddenReceiver
+        from engine.cluster.worker.stage_link import HiddenSender
 
         if not self.stage.is_first:
             self.receiver = HiddenReceiver(ctx, bind, hidden_size, dtype, wake=wake)
