@@ -18,7 +18,8 @@ from engines import make_engine, run_all
 from synthetic_kv import BS, NB, D, H, L, send_layers, synthetic, wait_event, wait_freed
 
 from engine.cluster import messages as m
-from engine.cluster.worker.roles import DecodeRole, PrefillRole
+from engine.cluster.worker.decode_role import DecodeRole
+from engine.cluster.worker.prefill_role import PrefillRole
 from engine.ipc.wire import params_to_wire
 from engine.kv_connector.receiver import KVReceiver
 from engine.kv_connector.sender import KVSender
@@ -508,7 +509,7 @@ def test_recompute_without_kvdone_goes_on_from_the_first_token_the_client_saw(en
 
 
 def test_first_tokens_that_are_not_first_tokens_are_ignored():
-    from engine.cluster.worker.roles import seen_first
+    from engine.cluster.worker.decode_role import seen_first
 
     good = {"index": 1, "offset": 0, "token_ids": [7], "text": "ab", "finish_reason": None,
             "logprobs": [[7, -0.5, [[7, -0.5]]]]}  # fmt: skip
