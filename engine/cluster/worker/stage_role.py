@@ -127,7 +127,7 @@ class StageRole(PrefillRole):
     @classmethod
     def for_worker(cls, cfg: WorkerConfig, seams: WorkerSeams) -> StageRole:
         """A stage's engine runs its own layers (``cfg.stage``) with the link as its inputs and
-        outputs; no block copies (a group's stages hold their prefixes together)."""
+        outputs. A stage has no block copier: only a prefill worker alone copies hot prefixes."""
         link = LinkIO(cfg.stage)
         connector = KVSenderFactory(cfg)
         engine = seams.make_engine(replace(cfg.engine, stage=cfg.stage), connector, link)
