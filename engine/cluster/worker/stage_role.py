@@ -24,18 +24,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.cluster import messages as m
-from engine.cluster.transfer.sender import KVSender
-from engine.cluster.transfer.staging import KVLayout
-from engine.cluster.worker.roles import Emit, PrefillRole, _Prefill
+from engine.cluster.worker.prefill_role import KVSenderFactory, PrefillRole, _Prefill
+from engine.cluster.worker.roles import Emit, WorkerSeams
+from engine.cluster.worker.worker_config import WorkerConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.scheduler_output import ScheduledRequest
 from engine.core.stage_io import StageIO, parent_request_id
 from engine.ipc.wire import params_from_wire
+from engine.cluster.transfer.sender import KVSender
+from engine.cluster.transfer.staging import KVLayout
 from engine.model.stages import PipelineStage
 from engine.sampling_params import SamplingParams
 
@@ -55,7 +57,8 @@ class LinkIO(StageIO):
         self.next_address: dict[str, str] = {}  # request id -> the next stage's endpoint
 
     def start(self, ctx, bind: str, hidden_size: int, dtype: torch.dtype, wake) -> None:
-        from engine.cluster.worker.stage_link import HiddenReceiver, HiddenSender
+        from engine.cluster.worker.hidden_receiver import HiddenReceiver
+        from engine.cluster.worker.stage_link import HiddenSender
 
         if not self.stage.is_first:
             self.receiver = HiddenReceiver(ctx, bind, hidden_size, dtype, wake=wake)
@@ -120,6 +123,19 @@ class StageRole(PrefillRole):
         self.waiting: dict[str, _Waiting] = {}
         self.passing: dict[str, int] = {}  # stages before the last: request id -> prompt tokens
         self.held: set[str] = set()  # requests with hidden-state link state to drop
+
+    @classmethod
+    def for_worker(cls, cfg: WorkerConfig, seams: WorkerSeams) -> StageRole:
+        """A stage's engine runs its own layers (``cfg.stage``) with the link as its inputs and
+        outputs. A stage has no block copier: only a prefill worker alone copies hot prefixes."""
+        link = LinkIO(cfg.stage)
+        connector = KVSenderFactory(cfg)
+        engine = seams.make_engine(replace(cfg.engine, stage=cfg.stage), connector, link)
+        link.start(seams.ctx, f"tcp://{cfg.kv_host}:0", engine.model_config.hidden_size,
+                   engine.dtype, seams.wake)  # fmt: skip
+        role = cls(engine, connector.sender, link, seams.worker_id, seams.emit)
+        role.mooncake = connector.mooncake
+        return role
 
     # -- the router's messages --------------------------------------------------------------
 
@@ -266,6 +282,41 @@ class StageRole(PrefillRole):
     @property
     def num_requests(self) -> int:
         return len(self.active) + len(self.waiting) + len(self.passing)
+
+    # -- in a worker ------------------------------------------------------------------------
+
+    def poll(self, readable, now: float) -> None:
+        """Hidden states that came (or failed), deadlines, failed sends onwards."""
+        super().poll(readable, now)
+        if self.link.receiver is not None:
+            for rid in self.link.receiver.events():
+                self.on_hidden(rid)
+        self.check_link(now)
+
+    def step(self) -> bool:
+        """True when the step ran nothing: the requests wait for the stage before's hidden
+        states, and the worker sleeps until they come (the receiver wakes it), not spinning a
+        core its peers need."""
+        steps = self.engine.num_steps
+        super().step()
+        return self.engine.num_steps == steps
+
+    def registration(self) -> dict:
+        sc = self.engine.scheduler.config  # the group's chunk: its stages' prefill budget
+        chunk = sc.long_prefill_token_threshold or sc.max_num_batched_tokens
+        return {**super().registration(), "chunk_tokens": chunk,
+                "hidden_address": self.link.address}  # fmt: skip
+
+    def heartbeat(self) -> dict:
+        rx, tx = self.link.receiver, self.link.sender
+        return {
+            "staging_used": rx.used_bytes if rx is not None else 0,  # hidden-state rows held
+            "hidden_bytes_sent": tx.counters["bytes_sent"] if tx is not None else 0,
+        }
+
+    def close(self) -> None:
+        super().close()
+        self.link.close()
 
 
 def _why_ended(req) -> str:

@@ -1,9 +1,9 @@
-"""Hidden states between pipeline stages (engine/cluster/worker/stage_link.py), over real
-sockets on 127.0.0.1 and real threads: rows arrive bit-exact and once each, in any order and
-repeated; a first frame past 0 (a prefix cache hit upstream); frames before ``expect``; bad
-frames fail their request (or are counted and dropped) while the receiver serves the others;
-aborts, deadlines, the memory budget; a sender whose peer is gone reports it; close stops every
-thread and socket. Every wait is bounded; nothing is timed."""
+"""Hidden states between pipeline stages (engine/cluster/worker/stage_link.py, the sending end,
+and hidden_receiver.py), over real sockets on 127.0.0.1 and real threads: rows arrive bit-exact
+and once each, in any order and repeated; a first frame past 0 (a prefix cache hit upstream);
+frames before ``expect``; bad frames fail their request (or are counted and dropped) while the
+receiver serves the others; aborts, deadlines, the memory budget; a sender whose peer is gone
+reports it; close stops every thread and socket. Every wait is bounded; nothing is timed."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
-from engine.cluster.transfer.staging import checksum
-from engine.cluster.worker.stage_link import HiddenReceiver, HiddenSender, row_bytes
+from engine.cluster.worker.hidden_receiver import HiddenReceiver
+from engine.cluster.worker.stage_link import HiddenSender, row_bytes
 from engine.ipc import curve
+from engine.cluster.transfer.staging import checksum
 
 H = 8  # hidden size
 WAIT_S = 20.0  # every bounded wait; far beyond what a healthy run needs
