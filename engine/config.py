@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from engine import cpu_isa
-from engine.model.stages import WHOLE_MODEL, PipelineStage
+from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -259,7 +259,7 @@ class EngineConfig:
     # CUDA: run decode-only steps eagerly instead of through the CUDA graphs captured per batch
     # size at start-up (engine/core/cuda_graphs.py). No effect on CPU, which never uses graphs.
     enforce_eager: bool = False
-    # One stage of a chunked prefill pipeline (engine/model/stages.py): the engine holds only
+    # One stage of a chunked prefill pipeline (engine/pipeline_stage.py): the engine holds only
     # the stage's layers and their KV, and runs with a StageIO (engine/core/stage_io.py).
     stage: PipelineStage = WHOLE_MODEL
 

@@ -44,7 +44,7 @@ from engine.kv_connector.base import KVConnector, LoadDone, WrapsPool
 from engine.kv_connector.device_copy import HostCopier, make_copier
 from engine.kv_connector.staging import KVLayout, StagingArena, checksum, scatter_tokens
 from engine.kv_connector.transfer_state import Transfer
-from engine.model.stages import PipelineStage
+from engine.pipeline_stage import PipelineStage
 
 log = logging.getLogger(__name__)
 

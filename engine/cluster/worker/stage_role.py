@@ -36,7 +36,7 @@ from engine.core.stage_io import StageIO, parent_request_id
 from engine.ipc.wire import params_from_wire
 from engine.kv_connector.sender import KVSender
 from engine.kv_connector.staging import KVLayout
-from engine.model.stages import PipelineStage
+from engine.pipeline_stage import PipelineStage
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from engine.ipc import curve
 from engine.ipc.liveness import watch_peer
 from engine.kv_connector import shm_proof
 from engine.kvstore.block_events import EVENT_KEYS, BlockEvent
-from engine.model.stages import WHOLE_MODEL, PipelineStage
+from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 
 log = logging.getLogger(__name__)
 
