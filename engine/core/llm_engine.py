@@ -23,6 +23,12 @@ from engine.core.cache_plan import plan_cache
 from engine.core.connector_calls import layer_hook, save_new_blocks
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.device_memory import MemoryBaseline, select_device
+from engine.core.device_resolution import (
+    dtype_reason,
+    resolved_device,
+    resolved_dtype,
+    resolved_weight_dtype,
+)
 from engine.core.metrics import EngineMetrics, MetricsSnapshot, StepTimes
 from engine.core.model_runner import ModelRunner, StepInputs
 from engine.core.output_builder import build_output
@@ -119,14 +125,14 @@ class LLMEngine:
                 cap,
             )
         # The GPU current first (Triton launches on it), its memory before the weights load.
-        self.device = select_device(config.resolved_device())
+        self.device = select_device(resolved_device(config))
         # The step's token budget: the user's, else this device's default (config.py).
         self._budget_set = config.scheduler.max_num_batched_tokens is not None
         scheduler = config.scheduler.for_device(self.device.type)
         config = dataclasses.replace(config, scheduler=scheduler)
         self.config = config
         baseline = MemoryBaseline.take(self.device)
-        self.dtype = config.resolved_dtype()
+        self.dtype = resolved_dtype(config)
         torch.manual_seed(config.seed)
         built = build_model(
             config.model,
@@ -146,7 +152,7 @@ class LLMEngine:
         # the KV pool binds: its namespace hashes them, so KV of other weights never loads.
         if config.quantization == "int8":
             model.quantize_int8_()
-        model.store_weights_(config.resolved_weight_dtype())
+        model.store_weights_(resolved_weight_dtype(config))
         layers = len(model.layers)  # a stage's cache holds its own layers only
         plan = plan_cache(config, self.model_config, self.dtype, self.device, baseline, layers)
         cc, num_blocks = plan.cache, plan.num_blocks
@@ -163,11 +169,11 @@ class LLMEngine:
             num_blocks, cc.block_size, cc.enable_prefix_caching, listener=block_listener
         )
         self.connector: KVConnector | None = None
-        if config.kv_pool:
+        if config.pool_spec is not None:
             from engine.kv_connector.factory import make_pool_connector
 
             self.connector = make_pool_connector(
-                config.kv_pool, self.model_config, model, self.cache, self.device
+                config.pool_spec, self.model_config, model, self.cache, self.device
             )
         if connector_factory is not None:
             self.connector = connector_factory(self.cache, self.connector)
@@ -235,7 +241,7 @@ class LLMEngine:
             isa.describe(),
             dtype,
             f" with {weights} weights" if weights != dtype else "",
-            self.config.dtype_reason(),
+            dtype_reason(self.config),
             on[bool(self.runner.packed)],
             on[bool(self.runner.native_decode)],
             self.scheduler.config.max_num_batched_tokens,
