@@ -2,6 +2,10 @@
 
 Every config validates itself in ``__post_init__`` and raises ``ValueError`` naming the field
 and the limit, so a bad setting fails where it is made, not deep inside a forward pass.
+
+A leaf: plain values only, no torch, and nothing of ``engine/`` but the plain-value modules
+``pipeline_stage.py`` and ``pool_spec.py`` (tests/test_config.py checks it). What the values
+resolve to on this machine (``device="auto"``, ``dtype="auto"``): engine/core/device_resolution.py.
 """
 
 from __future__ import annotations
@@ -9,10 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from engine import cpu_isa
-from engine.model.stages import WHOLE_MODEL, PipelineStage
+from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
+from engine.pool_spec import PoolSpec, parse_pool_spec
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -254,14 +256,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = False
     # Tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or "dram=1GiB,tcp://HOST:PORT"
-    # (engine/kvstore/spec.py); None: KV lives only in the paged cache.
+    # (engine/pool_spec.py); None: KV lives only in the paged cache.
     kv_pool: str | None = None
     # CUDA: run decode-only steps eagerly instead of through the CUDA graphs captured per batch
     # size at start-up (engine/core/cuda_graphs.py). No effect on CPU, which never uses graphs.
     enforce_eager: bool = False
-    # One stage of a chunked prefill pipeline (engine/model/stages.py): the engine holds only
+    # One stage of a chunked prefill pipeline (engine/pipeline_stage.py): the engine holds only
     # the stage's layers and their KV, and runs with a StageIO (engine/core/stage_io.py).
     stage: PipelineStage = WHOLE_MODEL
+    # kv_pool parsed, by __post_init__ (None without a pool): what the engine builds the pool from.
+    pool_spec: PoolSpec | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, PipelineStage):
@@ -271,10 +275,8 @@ class EngineConfig:
                 f"pipeline stages run without a KV pool (stage {self.stage}, "
                 f"kv_pool {self.kv_pool!r})"
             )
-        if self.kv_pool is not None:
-            from engine.kvstore.spec import parse_pool_spec
-
-            parse_pool_spec(self.kv_pool)  # ValueError naming the bad part
+        if self.kv_pool is not None:  # ValueError naming the bad part
+            object.__setattr__(self, "pool_spec", parse_pool_spec(self.kv_pool))
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, float16, bfloat16, got {self.dtype!r}"
@@ -303,51 +305,6 @@ class EngineConfig:
                 f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, "
                 f"got {self.quantization!r}"
             )
-
-    def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolved_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            if self.resolved_device().type == "cuda":
-                return torch.bfloat16
-            return getattr(torch, cpu_isa.this_cpu().auto_dtype(self.quantization)[0])
-        return getattr(torch, self.dtype)
-
-    def resolved_weight_dtype(self) -> torch.dtype:
-        """The dtype the float weights are held in (``weight_dtype``); int8 weights: the
-        activations' dtype (their scales' and the kept LM head rows')."""
-        dtype = self.resolved_dtype()
-        if self.quantization is not None:
-            return dtype
-        if self.weight_dtype != "auto":
-            weights = getattr(torch, self.weight_dtype)
-            if weights != dtype and dtype != torch.float32:
-                raise ValueError(
-                    f"weight_dtype {self.weight_dtype} with dtype auto, which is "
-                    f"{str(dtype).removeprefix('torch.')} here: weights other than the "
-                    "dtype's own take dtype float32"
-                )
-            return weights
-        if self.dtype != "auto" or self.resolved_device().type == "cuda":
-            return dtype
-        return getattr(torch, cpu_isa.this_cpu().auto_weight_dtype(self.quantization))
-
-    def dtype_reason(self) -> str:
-        """Why resolved_dtype is what it is, for the start-up log."""
-        if self.dtype != "auto":
-            if self.weight_dtype not in ("auto", self.dtype) and self.quantization is None:
-                return f"dtype {self.dtype} with {self.weight_dtype} weights as asked"
-            return f"dtype {self.dtype} as asked"
-        if self.resolved_device().type == "cuda":
-            why = "auto: bfloat16 on CUDA"
-        else:
-            why = cpu_isa.this_cpu().auto_dtype(self.quantization)[1]
-        if self.weight_dtype != "auto":
-            why += f"; {self.weight_dtype} weights as asked"
-        return why
 
     def resolved_compile(self) -> bool:
         return self.compile

@@ -74,9 +74,10 @@ def bench_prefill_rows(rows_list: list[int], reps: int) -> None:
 def bench_prompts(lengths: list[int], reps: int, int8_dtypes: list[str] | None) -> None:
     from engine import LLM, SamplingParams
     from engine.config import EngineConfig
+    from engine.core.device_resolution import resolved_dtype
 
     default = LLM(enable_prefix_caching=False, max_num_batched_tokens=max(lengths))
-    dtype = EngineConfig().resolved_dtype()
+    dtype = resolved_dtype(EngineConfig())
     print(f"torch threads {torch.get_num_threads()}, torch {torch_isa()}, default dtype {dtype}")
     blocked = int8_module.int8_matmul_blocked
     params = SamplingParams(max_tokens=1, temperature=0.0)

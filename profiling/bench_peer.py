@@ -282,17 +282,18 @@ def param_count(gguf: str) -> int:
 def engine_bytes_per_param(engine_args: str) -> float:
     """Bytes per weight that `engine serve` with these arguments streams per decode step: int8,
     else its weight dtype (``--weight-dtype``; under ``--dtype auto`` bf16 weights on CPUs
-    without native bf16 too, EngineConfig.resolved_weight_dtype)."""
+    without native bf16 too, engine/core/device_resolution.py resolved_weight_dtype)."""
     a = shlex.split(engine_args)
     if "--quantization" in a:
         return 1.0
     from engine.config import EngineConfig
+    from engine.core.device_resolution import resolved_weight_dtype
 
     def opt(name: str) -> str:
         return a[a.index(name) + 1] if name in a else "auto"
 
     config = EngineConfig(dtype=opt("--dtype"), weight_dtype=opt("--weight-dtype"), device="cpu")
-    return float(config.resolved_weight_dtype().itemsize)
+    return float(resolved_weight_dtype(config).itemsize)
 
 
 def print_table(w: str, rows: dict, n: int, n_in: int, out_len: int, conc: int, label: str):

@@ -473,7 +473,7 @@ def mooncake_rows(ns, keys, src, dst, repeats, zmq_put, zmq_get) -> list[Row]:
     import subprocess
 
     from engine.kvstore.mooncake_tier import MooncakeTier
-    from engine.kvstore.spec import parse_pool_spec
+    from engine.pool_spec import parse_pool_spec
 
     master_bin = shutil.which("mooncake_master") or os.path.join(
         os.path.dirname(sys.executable), "mooncake_master"

@@ -17,6 +17,7 @@ import torch
 
 from engine import cpu_isa, envs
 from engine.config import EngineConfig
+from engine.core.device_resolution import dtype_reason, resolved_dtype
 from engine.cpu_isa import CAPS, from_flags, parse_cpuinfo
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,12 +238,12 @@ def test_auto_dtype_and_packing_follow_the_capped_cpu(monkeypatch):
 
     w = torch.randn(32, 32).bfloat16()
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: isa("zen4-bf16"))
-    assert EngineConfig(device="cpu").resolved_dtype() == torch.bfloat16
+    assert resolved_dtype(EngineConfig(device="cpu")) == torch.bfloat16
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: isa("zen4-bf16", "avx512"))
-    assert EngineConfig(device="cpu").resolved_dtype() == torch.float32
-    assert EngineConfig(device="cpu", quantization="int8").resolved_dtype() == torch.bfloat16
+    assert resolved_dtype(EngineConfig(device="cpu")) == torch.float32
+    assert resolved_dtype(EngineConfig(device="cpu", quantization="int8")) == torch.bfloat16
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: isa("epyc-avx2"))
-    assert EngineConfig(device="cpu").resolved_dtype() == torch.float32
+    assert resolved_dtype(EngineConfig(device="cpu")) == torch.float32
     assert pack_bf16(w) is None  # torch would raise on this CPU: the plain weight serves
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: isa("graviton2"))
     assert pack_bf16(w) is None
@@ -260,11 +261,11 @@ def test_auto_dtype_is_a_fixed_table_by_class(monkeypatch, kind, quantization):
     assert name == want and why.startswith("auto") and want in why
     assert ("int8 weights" in why) == (quantization == "int8")
     config = EngineConfig(device="cpu", quantization=quantization)
-    assert config.resolved_dtype() == getattr(torch, want)
-    assert config.dtype_reason() == why
-    assert EngineConfig(
-        device="cpu", dtype="float32", quantization=quantization
-    ).dtype_reason() == ("dtype float32 as asked")
+    assert resolved_dtype(config) == getattr(torch, want)
+    assert dtype_reason(config) == why
+    assert dtype_reason(EngineConfig(device="cpu", dtype="float32", quantization=quantization)) == (
+        "dtype float32 as asked"
+    )
 
 
 def test_metrics_show_the_cpu_as_an_info_gauge():
@@ -305,6 +306,7 @@ import engine
 import torch
 from engine import cpu_isa
 from engine.config import CacheConfig, EngineConfig
+from engine.core.device_resolution import resolved_dtype
 from engine.kernels import native
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -330,8 +332,8 @@ for dtype, quant in (("bfloat16", None), ("float16", None), ("bfloat16", "int8")
     answers[f"{dtype}-{quant}"] = [llm.chat(question, params)[0].outputs[0].text,
                                    bool(runner.packed), bool(runner.native_decode)]
 out["answers"] = answers
-out["auto"] = str(EngineConfig(device="cpu").resolved_dtype())
-out["auto_int8"] = str(EngineConfig(device="cpu", quantization="int8").resolved_dtype())
+out["auto"] = str(resolved_dtype(EngineConfig(device="cpu")))
+out["auto_int8"] = str(resolved_dtype(EngineConfig(device="cpu", quantization="int8")))
 out["log"] = records
 print("RESULT " + json.dumps(out))
 """

@@ -165,7 +165,7 @@ def _logging(level: str) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     from engine.cluster.worker.worker import run_worker
     from engine.cluster.worker.worker_config import WorkerConfig
-    from engine.model.stages import WHOLE_MODEL, PipelineStage
+    from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 
     _logging(args.log_level)
     try:

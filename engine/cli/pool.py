@@ -51,7 +51,7 @@ def add_pool_commands(subparsers) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine.kvstore.eviction import POLICIES
     from engine.kvstore.service.server import PoolService, PoolServiceConfig
-    from engine.kvstore.spec import parse_size
+    from engine.pool_spec import parse_size
 
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
     if args.policy not in POLICIES:
@@ -101,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _lender(url: str):
     from engine.kvstore.mooncake_tier import lend_memory
-    from engine.kvstore.spec import MooncakeSpec, parse_pool_spec
+    from engine.pool_spec import MooncakeSpec, parse_pool_spec
 
     spec = parse_pool_spec(url).remote
     if not isinstance(spec, MooncakeSpec):

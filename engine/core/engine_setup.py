@@ -18,6 +18,12 @@ from engine import cpu_isa, envs
 from engine.config import EngineConfig, ModelConfig
 from engine.core.cache_plan import plan_cache
 from engine.core.device_memory import MemoryBaseline, select_device
+from engine.core.device_resolution import (
+    dtype_reason,
+    resolved_device,
+    resolved_dtype,
+    resolved_weight_dtype,
+)
 from engine.core.model_runner import ModelRunner
 from engine.core.scheduler import Scheduler
 from engine.kernels.variants import ModelShape
@@ -75,12 +81,12 @@ def build_parts(
             cap,
         )
     # The GPU current first (Triton launches on it), its memory before the weights load.
-    device = select_device(config.resolved_device())
+    device = select_device(resolved_device(config))
     # The step's token budget: the user's, else this device's default (config.py).
     budget_set = config.scheduler.max_num_batched_tokens is not None
     config = dataclasses.replace(config, scheduler=config.scheduler.for_device(device.type))
     baseline = MemoryBaseline.take(device)
-    dtype = config.resolved_dtype()
+    dtype = resolved_dtype(config)
     torch.manual_seed(config.seed)
     built = build_model(
         config.model,
@@ -95,7 +101,7 @@ def build_parts(
     # the KV pool binds: its namespace hashes them, so KV of other weights never loads.
     if config.quantization == "int8":
         model.quantize_int8_()
-    model.store_weights_(config.resolved_weight_dtype())
+    model.store_weights_(resolved_weight_dtype(config))
     layers = len(model.layers)  # a stage's cache holds its own layers only
     plan = plan_cache(config, built.config, dtype, device, baseline, layers)
     cc, num_blocks = plan.cache, plan.num_blocks
@@ -112,10 +118,10 @@ def build_parts(
         num_blocks, cc.block_size, cc.enable_prefix_caching, listener=block_listener
     )
     connector: KVConnector | None = None
-    if config.kv_pool:
+    if config.pool_spec is not None:
         from engine.kv_connector.factory import make_pool_connector
 
-        connector = make_pool_connector(config.kv_pool, built.config, model, cache, device)
+        connector = make_pool_connector(config.pool_spec, built.config, model, cache, device)
     if connector_factory is not None:
         connector = connector_factory(cache, connector)
     scheduler = Scheduler(config.scheduler, kv, connector, prefill_only=not config.stage.is_whole)
@@ -190,7 +196,7 @@ def log_cpu(parts: EngineParts) -> None:
         isa.describe(),
         dtype,
         f" with {weights} weights" if weights != dtype else "",
-        config.dtype_reason(),
+        dtype_reason(config),
         on[bool(runner.packed)],
         on[bool(runner.native_decode)],
         parts.scheduler.config.max_num_batched_tokens,

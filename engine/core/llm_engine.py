@@ -62,7 +62,7 @@ class LLMEngine:
     pool tells ("stored" | "removed", block hash) as prefix blocks are named and dropped.
 
     ``config.stage`` short of the whole model: the engine is one stage of a chunked prefill
-    pipeline (engine/model/stages.py). It holds the stage's layers and their KV only, takes its
+    pipeline (engine/pipeline_stage.py). It holds the stage's layers and their KV only, takes its
     input hidden states from and hands its output ones to ``stage_io`` (required then; see
     engine/core/stage_io.py for the protocol) and never runs past a prompt; its connector (a
     cluster stage's KV sender) gets ``save_layer`` calls with global layer indices.

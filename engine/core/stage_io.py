@@ -1,5 +1,5 @@
 """The seam between a pipeline stage's engine and the stages around it (chunked pipeline
-parallelism, engine/model/stages.py): where a stage after the first gets its input hidden states
+parallelism, engine/pipeline_stage.py): where a stage after the first gets its input hidden states
 and where a stage before the last puts its output hidden states. The worker processes and the
 transport implement it; LLMEngine(config, stage_io=...) calls it from its step, in its thread.
 

@@ -14,7 +14,7 @@ from engine.core.scheduler_output import ScheduledRequest
 from engine.core.stage_io import StageIO
 from engine.core.step_clock import step_clock
 from engine.model.llama import LayerHook
-from engine.model.stages import PipelineStage
+from engine.pipeline_stage import PipelineStage
 
 
 class StageInputs:

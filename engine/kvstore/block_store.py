@@ -21,7 +21,7 @@ from engine.kvstore.namespace import KVNamespace
 from engine.kvstore.tier import Tier
 
 if TYPE_CHECKING:
-    from engine.kvstore.spec import PoolSpec
+    from engine.pool_spec import PoolSpec
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _remote_match(tier: Tier, keys: Sequence[bytes]) -> int:
 def build_block_store(spec: PoolSpec, namespace: KVNamespace) -> BlockStore:
     """The store a parsed ``kv_pool`` string describes. Remote tiers are imported lazily: the
     Mooncake backend is an optional extra."""
-    from engine.kvstore.spec import MooncakeSpec, ServiceSpec
+    from engine.pool_spec import MooncakeSpec, ServiceSpec
 
     tiers: list[Tier] = []
     try:

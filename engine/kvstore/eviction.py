@@ -24,7 +24,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Container, Hashable
 
-POLICIES = ("lru", "lfu", "length")
+from engine.pool_spec import POLICIES  # the names the kv_pool string accepts
+
 _NOTHING: frozenset = frozenset()
 
 

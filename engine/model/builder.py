@@ -20,8 +20,8 @@ from engine.config import ModelConfig
 from engine.model import weight_cache
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import open_checkpoint, read_weights
-from engine.model.stages import WHOLE_MODEL, PipelineStage
 from engine.model.tokenizer import Tokenizer
+from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def build_model(
     """``model``: "default", a GGUF file or a model directory (see model_loader.load_model).
     ``use_cache=False`` or ENGINE_WEIGHT_CACHE=0 reads the checkpoint every time.
 
-    ``stage``: one stage of a chunked pipeline (model/stages.py): only its weights are read
+    ``stage``: one stage of a chunked pipeline (engine/pipeline_stage.py): only its weights are read
     from the checkpoint, and it has a weight cache file of its own (holding only them)."""
     t0 = time.perf_counter()
     path, checkpoint = open_checkpoint(model)

@@ -22,7 +22,7 @@ from engine.layers.native_decode import NativeDecoder
 from engine.layers.quant import int8_linear, quantize_int8
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.model.stages import WHOLE_MODEL, PipelineStage
+from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 
 LayerHook = Callable[[int], None]
 
@@ -84,11 +84,11 @@ class DecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """The whole model, or one stage of a chunked pipeline (``stage``, see model/stages.py): the
-    layers of ``stage.layer_range(cfg.num_layers)`` (``self.layers[i]`` is global layer
-    ``self.layer_range[i]``), the embedding on the first stage (and on the last when the LM head
-    is tied to it), the final norm and the LM head on the last. What a stage lacks is None.
-    ``cfg`` stays the whole model's config."""
+    """The whole model, or one stage of a chunked pipeline (``stage``, see
+    engine/pipeline_stage.py): the layers of ``stage.layer_range(cfg.num_layers)``
+    (``self.layers[i]`` is global layer ``self.layer_range[i]``), the embedding on the first stage
+    (and on the last when the LM head is tied to it), the final norm and the LM head on the last.
+    What a stage lacks is None. ``cfg`` stays the whole model's config."""
 
     def __init__(
         self,

@@ -22,8 +22,8 @@ from engine.config import ModelConfig
 from engine.model.checkpoint import Checkpoint
 from engine.model.gguf_loader import load_gguf_checkpoint
 from engine.model.hf_loader import load_hf_checkpoint
-from engine.model.stages import WHOLE_MODEL, PipelineStage
 from engine.model.tokenizer import Tokenizer
+from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 import torch
 import xxhash
 
-from engine.model.stages import WHOLE_MODEL, PipelineStage
+from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 
 logger = logging.getLogger(__name__)
 

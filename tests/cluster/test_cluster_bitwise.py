@@ -21,6 +21,7 @@ from engine import LLM
 from engine.cluster.launcher import Cluster
 from engine.cluster.router.router import RouterConfig
 from engine.config import EngineConfig
+from engine.core.device_resolution import resolved_dtype
 from engine.sampling_params import SamplingParams
 
 KV_GB = 0.25  # the cache's size changes no float, only this test's memory
@@ -53,7 +54,7 @@ def signature(out):
 def test_seeded_logprobs_bitwise_equal_colocated(dtype, tmp_path, monkeypatch):
     monkeypatch.setenv("ENGINE_WEIGHT_CACHE_DIR", str(tmp_path / "weights"))
     monkeypatch.delenv("ENGINE_WEIGHT_CACHE", raising=False)
-    resolved = EngineConfig(dtype=dtype, device="cpu").resolved_dtype()
+    resolved = resolved_dtype(EngineConfig(dtype=dtype, device="cpu"))
     threads = torch.get_num_threads()
     if dtype == "auto" and resolved == torch.float32 and threads > 1:
         pytest.skip(

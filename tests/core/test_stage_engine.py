@@ -20,8 +20,8 @@ from engine.core.scheduler import PREFIX_MISSING
 from engine.core.scheduler_output import ScheduledRequest
 from engine.core.stage_io import StageIO, parent_request_id
 from engine.kvcache.paged_cache import bytes_per_block
-from engine.model.stages import WHOLE_MODEL, PipelineStage
 from engine.outputs import RequestOutput
+from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 from engine.sampling_params import SamplingParams
 
 BUDGET = 64  # tokens per step: a 300-token prompt runs in 5 chunks

@@ -8,9 +8,9 @@ from kv_store_helpers import block, key, small_namespace
 from engine.kvstore import block_record
 from engine.kvstore.block_store import BlockStore, build_block_store
 from engine.kvstore.dram_tier import DramTier
-from engine.kvstore.spec import parse_pool_spec
 from engine.kvstore.ssd_tier import SsdTier
 from engine.kvstore.tier import PutResult, Tier
+from engine.pool_spec import parse_pool_spec
 
 NS = small_namespace()
 BB = NS.block_bytes

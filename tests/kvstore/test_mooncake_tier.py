@@ -83,7 +83,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture
 def tier(cluster):
     from engine.kvstore.mooncake_tier import MooncakeTier
-    from engine.kvstore.spec import parse_pool_spec
+    from engine.pool_spec import parse_pool_spec
 
     t = MooncakeTier(parse_pool_spec(cluster["url"]).remote, NS)
     try:
@@ -114,7 +114,7 @@ def test_put_get_parity(tier):
 
 def test_blocks_outlive_the_client_that_wrote_them(cluster, tier):
     from engine.kvstore.block_store import build_block_store
-    from engine.kvstore.spec import parse_pool_spec
+    from engine.pool_spec import parse_pool_spec
 
     spec = parse_pool_spec(f"dram=64KiB,{cluster['url']}")
     writer = build_block_store(spec, NS)
@@ -174,7 +174,7 @@ def test_missing_package_is_a_clear_error(monkeypatch):
 
 def test_lending_needs_a_segment():
     from engine.kvstore.mooncake_tier import MemoryLender
-    from engine.kvstore.spec import parse_pool_spec
+    from engine.pool_spec import parse_pool_spec
 
     spec = parse_pool_spec("mooncake://127.0.0.1:1?metadata=http://127.0.0.1:2/metadata").remote
     with pytest.raises(ValueError, match="segment=SIZE"):
@@ -193,7 +193,7 @@ def test_batches_stop_at_the_first_miss(tier):
 def test_unreachable_master_is_a_clear_error():
     _mooncake_or_skip()
     from engine.kvstore.mooncake_tier import MooncakeTier
-    from engine.kvstore.spec import parse_pool_spec
+    from engine.pool_spec import parse_pool_spec
 
     port = free_port()  # nothing listens there
     url = f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{port}/metadata"
@@ -208,7 +208,7 @@ def test_dead_master_reads_miss_with_one_warning(tmp_path, caplog):
     import logging
 
     from engine.kvstore.mooncake_tier import MooncakeTier
-    from engine.kvstore.spec import parse_pool_spec
+    from engine.pool_spec import parse_pool_spec
 
     _, master_bin = _mooncake_or_skip()
     rpc, http, metrics = free_port(), free_port(), free_port()

@@ -9,6 +9,7 @@ import torch
 
 from engine import cpu_isa
 from engine.config import CacheConfig, EngineConfig
+from engine.core.device_resolution import dtype_reason, resolved_dtype, resolved_weight_dtype
 from engine.kernels import native
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -148,13 +149,13 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     v4 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
     bf16 = cpu_isa.from_flags(v4 | {"avx512_bf16"}, "bf16", "x86_64")
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: bf16)
-    assert EngineConfig(device="cpu").resolved_dtype() == torch.bfloat16
+    assert resolved_dtype(EngineConfig(device="cpu")) == torch.bfloat16
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: cpu_isa.from_flags(v4, "v4", "x86_64"))
-    assert EngineConfig(device="cpu").resolved_dtype() == torch.float32
+    assert resolved_dtype(EngineConfig(device="cpu")) == torch.float32
     # int8 weights keep bf16 activations there (measured faster for int8 decode under avx2)
-    assert EngineConfig(device="cpu", quantization="int8").resolved_dtype() == torch.bfloat16
+    assert resolved_dtype(EngineConfig(device="cpu", quantization="int8")) == torch.bfloat16
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: bf16)
-    assert EngineConfig(device="cpu", quantization="int8").resolved_dtype() == torch.bfloat16
+    assert resolved_dtype(EngineConfig(device="cpu", quantization="int8")) == torch.bfloat16
 
 
 def test_weight_dtype_resolves_and_bad_ones_name_the_field(monkeypatch):
@@ -162,20 +163,20 @@ def test_weight_dtype_resolves_and_bad_ones_name_the_field(monkeypatch):
     assert avx2.level == "avx2"
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: avx2)
     auto = EngineConfig(device="cpu")
-    assert (auto.resolved_dtype(), auto.resolved_weight_dtype()) == (torch.float32, torch.bfloat16)
-    assert "bfloat16 weights" in auto.dtype_reason()
+    assert (resolved_dtype(auto), resolved_weight_dtype(auto)) == (torch.float32, torch.bfloat16)
+    assert "bfloat16 weights" in dtype_reason(auto)
     # asked by name: float32 means float32 weights; weight_dtype float32 opts out under auto
     exact = EngineConfig(device="cpu", dtype="float32")
-    assert exact.resolved_weight_dtype() == torch.float32
-    assert EngineConfig(device="cpu", weight_dtype="float32").resolved_weight_dtype() == (
+    assert resolved_weight_dtype(exact) == torch.float32
+    assert resolved_weight_dtype(EngineConfig(device="cpu", weight_dtype="float32")) == (
         torch.float32
     )
     fp16 = EngineConfig(device="cpu", dtype="float32", weight_dtype="float16")
-    assert fp16.resolved_weight_dtype() == torch.float16
-    assert "float16 weights as asked" in fp16.dtype_reason()
+    assert resolved_weight_dtype(fp16) == torch.float16
+    assert "float16 weights as asked" in dtype_reason(fp16)
     # int8: the quantized weights' scales are in the activation dtype
     int8 = EngineConfig(device="cpu", quantization="int8")
-    assert int8.resolved_weight_dtype() == int8.resolved_dtype() == torch.bfloat16
+    assert resolved_weight_dtype(int8) == resolved_dtype(int8) == torch.bfloat16
     with pytest.raises(ValueError, match="weight_dtype must be one of"):
         EngineConfig(weight_dtype="int4")
     with pytest.raises(ValueError, match="weight_dtype bfloat16 with quantization int8"):
@@ -185,9 +186,9 @@ def test_weight_dtype_resolves_and_bad_ones_name_the_field(monkeypatch):
     v4bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
     native_bf16 = cpu_isa.from_flags(v4bf16, "bf16", "x86_64")
     monkeypatch.setattr(cpu_isa, "this_cpu", lambda: native_bf16)
-    assert EngineConfig(device="cpu").resolved_weight_dtype() == torch.bfloat16
+    assert resolved_weight_dtype(EngineConfig(device="cpu")) == torch.bfloat16
     with pytest.raises(ValueError, match="weight_dtype float16 with dtype auto"):
-        EngineConfig(device="cpu", weight_dtype="float16").resolved_weight_dtype()
+        resolved_weight_dtype(EngineConfig(device="cpu", weight_dtype="float16"))
 
 
 def test_bf16_weights_under_float32_are_held_so_and_named_in_the_kv_namespace(float32_llm):

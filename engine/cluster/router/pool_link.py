@@ -17,7 +17,7 @@ import zmq
 
 from engine.ipc import curve
 from engine.kvstore.service import protocol as P
-from engine.kvstore.spec import ServiceSpec, parse_pool_spec
+from engine.pool_spec import ServiceSpec, parse_pool_spec
 
 ASK_EVERY_S = 1.0  # a service not up yet (started after the router) is asked again
 

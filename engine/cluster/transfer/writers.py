@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from engine.cluster.transfer.state import Transfer
 from engine.ipc.process_id import identify, is_gone
-from engine.model.stages import PipelineStage
+from engine.pipeline_stage import PipelineStage
 
 
 def watch_writers(

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 from engine.cluster import messages as m
 from engine.cluster.conductor.step_stats import StepStats
+from engine.cluster.transfer.receiver import KVReceiver
+from engine.cluster.transfer.seal import prompt_digest
+from engine.cluster.transfer.staging import StagingArena
 from engine.cluster.worker.handoff import admit
 from engine.cluster.worker.roles import Emit, Role, WorkerSeams, mooncake_endpoint
 from engine.cluster.worker.worker_config import WorkerConfig
 from engine.core.llm_engine import LLMEngine
 from engine.ipc.wire import output_to_wire, params_from_wire
-from engine.cluster.transfer.receiver import KVReceiver
-from engine.cluster.transfer.seal import prompt_digest
-from engine.cluster.transfer.staging import StagingArena
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.compiler import GrammarBusyError

@@ -28,10 +28,10 @@ import torch
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.staging import checksum
 from engine.cluster.worker.stage_link import POLL_MS
 from engine.ipc import curve
 from engine.ipc.liveness import DATA_TIMEOUT_MS, watch_peer
-from engine.cluster.transfer.staging import checksum
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.transfer import shm_proof
+from engine.cluster.transfer.seal import prompt_digest
+from engine.cluster.transfer.sender import KVSender, SendTarget
+from engine.cluster.transfer.staging import KVLayout
 from engine.cluster.worker.block_copy import BlockCopier
 from engine.cluster.worker.handoff import Captured, capture, first_output
 from engine.cluster.worker.roles import Emit, Role, WorkerSeams, mooncake_endpoint
@@ -23,10 +27,6 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request
 from engine.core.scheduler import QueueFullError
 from engine.ipc.wire import params_from_wire
-from engine.cluster.transfer import shm_proof
-from engine.cluster.transfer.seal import prompt_digest
-from engine.cluster.transfer.sender import KVSender, SendTarget
-from engine.cluster.transfer.staging import KVLayout
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.compiler import GrammarBusyError

@@ -21,12 +21,12 @@ from collections.abc import Callable
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.transfer import shm_proof
 from engine.cluster.worker.roles import Role
 from engine.cluster.worker.worker_config import WorkerConfig
 from engine.core.llm_engine import LLMEngine
 from engine.ipc import curve
 from engine.ipc.liveness import watch_peer
-from engine.cluster.transfer import shm_proof
 from engine.kvstore.block_events import EVENT_KEYS, BlockEvent
 
 REGISTER_EVERY_S = 5.0  # registration repeated, so a restarted router finds its workers

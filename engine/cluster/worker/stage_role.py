@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.cluster import messages as m
+from engine.cluster.transfer.sender import KVSender
+from engine.cluster.transfer.staging import KVLayout
 from engine.cluster.worker.prefill_role import KVSenderFactory, PrefillRole, _Prefill
 from engine.cluster.worker.roles import Emit, WorkerSeams
 from engine.cluster.worker.worker_config import WorkerConfig
@@ -36,9 +38,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.scheduler_output import ScheduledRequest
 from engine.core.stage_io import StageIO, parent_request_id
 from engine.ipc.wire import params_from_wire
-from engine.cluster.transfer.sender import KVSender
-from engine.cluster.transfer.staging import KVLayout
-from engine.model.stages import PipelineStage
+from engine.pipeline_stage import PipelineStage
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

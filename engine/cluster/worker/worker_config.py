@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.model.stages import WHOLE_MODEL, PipelineStage
+from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 
 ROLES = ("prefill", "decode")
 TRANSPORTS = ("shm", "tcp", "mooncake")

@@ -18,12 +18,12 @@ from engines import make_engine, run_all
 from synthetic_kv import BS, NB, D, H, L, send_layers, synthetic, wait_event, wait_freed
 
 from engine.cluster import messages as m
-from engine.cluster.worker.decode_role import DecodeRole
-from engine.cluster.worker.prefill_role import PrefillRole
-from engine.ipc.wire import params_to_wire
 from engine.cluster.transfer.receiver import KVReceiver
 from engine.cluster.transfer.sender import KVSender
 from engine.cluster.transfer.staging import KVLayout, StagingArena, checksum
+from engine.cluster.worker.decode_role import DecodeRole
+from engine.cluster.worker.prefill_role import PrefillRole
+from engine.ipc.wire import params_to_wire
 from engine.sampling_params import SamplingParams
 
 PROMPT = list(range(1000, 1000 + 150))
@@ -592,8 +592,8 @@ def test_mooncake_transfer_engine_matches_colocated(expected):
 def test_sender_streamed_and_not_streamed(transport):
     """The sender as the engine drives it: layers from the forward's hook (inference mode), or all
     after the prefill (streaming off, outside it), reusing the streamed sends' buffers."""
-    from engine.kv_connector.base import StepBlocks
     from engine.cluster.transfer.sender import SendTarget
+    from engine.kv_connector.base import StepBlocks
 
     kv, arena, rx = synthetic(transport)
     cache = torch.randn(L, 2, NB, BS, H, D)

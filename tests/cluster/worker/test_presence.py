@@ -15,7 +15,7 @@ from engine.cluster.worker.presence import REGISTER_EVERY_S, Presence
 from engine.cluster.worker.worker_config import WorkerConfig
 from engine.config import EngineConfig
 from engine.kvstore.block_events import EVENT_KEYS, BlockEvent
-from engine.model.stages import PipelineStage
+from engine.pipeline_stage import PipelineStage
 
 WAIT_S = 20.0
 

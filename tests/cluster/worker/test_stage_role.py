@@ -16,7 +16,7 @@ from engine.cluster.worker.stage_role import LinkIO, StageRole
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.llm_engine import LLMEngine
 from engine.ipc.wire import params_to_wire
-from engine.model.stages import PipelineStage
+from engine.pipeline_stage import PipelineStage
 from engine.sampling_params import SamplingParams
 
 STAGE = PipelineStage(1, 2)

@@ -8,7 +8,7 @@ import pytest
 
 from engine.cluster.worker.worker_config import WorkerConfig
 from engine.config import EngineConfig
-from engine.model.stages import PipelineStage
+from engine.pipeline_stage import PipelineStage
 
 ROUTER = "tcp://127.0.0.1:5555"
 POOLED = EngineConfig(kv_pool="dram=1MiB")

@@ -21,7 +21,9 @@ import re
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
-from engine.kvstore.eviction import POLICIES
+# The block store's eviction policies (engine/kvstore/eviction.py implements them), named here so
+# that the kv_pool string is checked without importing the store.
+POLICIES = ("lru", "lfu", "length")
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kvstore.spec import (
+from engine.pool_spec import (
     DramSpec,
     MooncakeSpec,
     PoolSpec,
