@@ -34,6 +34,7 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.stage_io import StageIO
 from engine.core.stop_conditions import StopResult, check_stop, safe_text_len
 from engine.core.validation import cap_for_tests, validate_prompt
+from engine.errors import RequestError
 from engine.kernels.variants import ModelShape
 from engine.kv_connector.base import KVConnector
 from engine.kvcache.block_pool import BlockListener
@@ -263,10 +264,12 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit; changes nothing."""
+        """Raise RequestError naming the field and the limit; changes nothing."""
         validate_prompt(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         if params.prompt_logprobs is not None and not self.stage.is_whole:
-            raise ValueError("prompt_logprobs are not served by pipeline stages")
+            raise RequestError(
+                "prompt_logprobs are not served by pipeline stages", "prompt_logprobs"
+            )
 
     def add_request(
         self,
@@ -296,14 +299,14 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt token ids must be a list of integers")
+                raise RequestError("prompt token ids must be a list of integers", "prompt")
             text, ids = prompt_text, list(prompt)
         self.validate(ids, params)
         self._validate_stage_fields(len(ids), ready_tokens, prefix_tokens, prefix_exact)
         params = cap_for_tests(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._parents:
-            raise ValueError(f"request_id {rid!r} is already in use")
+            raise RequestError(f"request_id {rid!r} is already in use", "request_id")
         # A constraint compiles once (cached): the servers compile it off their event loop
         # before they get here, so this is a cache hit for them.
         grammar = None
