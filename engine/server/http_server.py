@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_llm import EngineDeadError, EngineShuttingDownError
 from engine.core.scheduler import QueueFullError
+from engine.errors import RequestError
 from engine.server import openapi
 from engine.server.errors import APIError, error_body, to_api_error
 from engine.server.inflight_cap import ClientCap
@@ -150,13 +151,16 @@ def build_app(
             logger.warning("%s: %d: %s", request.url.path, err.status, exc)
             raise err from exc
         except (
-            ValueError,
-            TypeError,
+            RequestError,
             QueueFullError,
             EngineShuttingDownError,
             GrammarBusyError,
         ) as exc:
             raise to_api_error(exc, aliases) from exc
+        except APIError:
+            raise
+        except Exception as exc:  # a bug: a 500 whose traceback to_api_error logs, once
+            raise to_api_error(exc) from exc
 
     generation_docs = dict(
         response_class=JSONResponse,
