@@ -110,6 +110,10 @@ def build_app(
     async def _api_error(request: Request, exc: APIError):
         return fail(exc)
 
+    @app.exception_handler(RequestError)  # bad input outside generation (/tokenize): no trace
+    async def _request_error(request: Request, exc: RequestError):
+        return fail(to_api_error(exc))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)
