@@ -1,8 +1,9 @@
 """An asyncio front for one engine: many concurrent callers, one engine loop thread.
 
-The engine is owned by a single background thread. Callers submit commands (add, abort) through
-a bounded queue; the loop applies them between steps and pushes each step's outputs to the
-callers' asyncio queues with ``call_soon_threadsafe``. Closing a ``generate`` iterator early (a
+The engine is owned by a single background thread. Callers submit commands (``AddRequest``,
+``AbortRequest``: typed, so the request path reads in types) through a bounded queue; the loop
+applies them between steps and pushes each step's outputs to the callers' asyncio queues with
+``call_soon_threadsafe``. Closing a ``generate`` iterator early (a
 client that disconnects) aborts the request and frees its KV blocks.
 
 This is the narrow interface the servers use (submit/stream, abort, health, metrics); a cluster
@@ -19,11 +20,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.metrics import MetricsSnapshot
 from engine.core.scheduler import QueueFullError
+from engine.errors import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -35,6 +38,26 @@ class EngineDeadError(RuntimeError):
 class EngineShuttingDownError(RuntimeError):
     """The engine no longer admits requests (HTTP 503)."""
 
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Queue a request that the caller's thread validated (unless aborted meanwhile)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt_text: str | None  # the text the ids were encoded from; None: ids were given
+    params: SamplingParams
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Abort a request (its caller stopped listening, or asked)."""
+
+    request_id: str
+
+
+Command = AddRequest | AbortRequest  # what crosses from the callers to the engine thread
 
 _DONE = object()
 SHUTDOWN_GRACE_S = 30.0  # after the deadline: the step already running ends, aborts land
@@ -113,7 +136,7 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.model_path = self.engine.model_path
         self.max_pending = max_pending or self.engine.config.scheduler.max_waiting
-        self._commands: deque = deque()
+        self._commands: deque[Command] = deque()
         self._cv = threading.Condition()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
@@ -136,8 +159,9 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (one per step it moves; the last has finished=True).
 
-        Raises ValueError for invalid input, QueueFullError when the admission queue is full,
-        EngineShuttingDownError after shutdown began, before anything is queued."""
+        Raises RequestError (a ValueError naming the field) for invalid input, QueueFullError
+        when the admission queue is full, EngineShuttingDownError after shutdown began, before
+        anything is queued."""
         params = params or SamplingParams()
         rid = request_id or f"async-{next(self._ids)}"
         queue = self._submit(prompt, params, rid, cache_salt)
@@ -161,7 +185,7 @@ class AsyncLLM:
         """Compile the params' structured-output constraint, if any, on the compiler's pool
         (never on the caller's event loop), so that the engine loop finds it cached when it
         adds the request: a miss there would compile on the loop thread and hold up every
-        request's next step. The servers await it before ``generate``. Raises ValueError naming
+        request's next step. The servers await it before ``generate``. Raises RequestError naming
         the field (invalid, or not compiled within the compiler's deadline) and GrammarBusyError
         (too many compiles pending: retry later)."""
         so = params.structured_outputs
@@ -233,20 +257,20 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
             if rid in self._sinks:
-                raise ValueError(f"request_id {rid!r} is already in use")
+                raise RequestError(f"request_id {rid!r} is already in use", "request_id")
             if len(self._sinks) >= self.max_pending:
                 raise QueueFullError(
                     f"too many requests in flight ({self.max_pending}); retry later"
                 )
             self._sinks[rid] = (loop, queue)
-            self._commands.append(("add", rid, ids, text, params, cache_salt))
+            self._commands.append(AddRequest(rid, ids, text, params, cache_salt))
             self._cv.notify()
         return queue
 
     def _abort_now(self, rid: str) -> None:
         with self._cv:
             if rid in self._sinks:
-                self._commands.append(("abort", rid))
+                self._commands.append(AbortRequest(rid))
                 self._cv.notify()
 
     # -- the loop (engine thread) ------------------------------------------------------------
@@ -268,20 +292,28 @@ class AsyncLLM:
         with self._cv:
             commands, self._commands = self._commands, deque()
         for cmd in commands:
-            if cmd[0] == "add":
-                _, rid, ids, text, params, salt = cmd
-                if rid not in self._sinks:
-                    continue  # aborted before it was added
-                try:
-                    self.engine.add_request(
-                        ids, params, request_id=rid, cache_salt=salt, prompt_text=text
-                    )
-                except Exception as exc:  # validation races, queue full: tell the caller
-                    self._deliver(rid, exc, last=True)
+            if isinstance(cmd, AddRequest):
+                self._add(cmd)
+            elif isinstance(cmd, AbortRequest):
+                if not self.engine.abort_request(cmd.request_id):
+                    self._deliver(cmd.request_id, _DONE, last=True)
             else:
-                rid = cmd[1]
-                if not self.engine.abort_request(rid):
-                    self._deliver(rid, _DONE, last=True)
+                raise TypeError(f"not an engine-thread command: {cmd!r}")
+
+    def _add(self, cmd: AddRequest) -> None:
+        rid = cmd.request_id
+        if rid not in self._sinks:
+            return  # aborted before it was added
+        try:
+            self.engine.add_request(
+                cmd.prompt_token_ids,
+                cmd.params,
+                request_id=rid,
+                cache_salt=cmd.cache_salt,
+                prompt_text=cmd.prompt_text,
+            )
+        except Exception as exc:  # validation races, queue full: tell the caller
+            self._deliver(rid, exc, last=True)
 
     def _fit_step_to_deadline(self) -> bool:
         """Before a step while draining: shrink the step's token budget so that it ends before

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.llm_engine import LLMEngine
+from engine.errors import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -170,7 +171,7 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     if not prompts:
-        raise ValueError("prompts must not be empty")
+        raise RequestError("prompts must not be empty", "prompts")
     return prompts
 
 
@@ -181,5 +182,5 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"params has {len(params)} entries for {n} prompts")
+        raise RequestError(f"params has {len(params)} entries for {n} prompts", "params")
     return params

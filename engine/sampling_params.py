@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import RequestError
 from engine.structured.params import StructuredOutputs
 
 # The sampler works in float32: a larger temperature or penalty becomes inf there (and then
@@ -15,7 +16,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 class SamplingParams:
     """How to pick tokens for one request. ``temperature == 0`` means greedy.
 
-    Invalid values raise ``ValueError`` naming the field and its limit.
+    Invalid values raise ``RequestError`` (a ValueError) naming the field and its limit.
     """
 
     n: int = 1
@@ -60,7 +61,7 @@ class SamplingParams:
     def _validate(self) -> None:
         def check(ok: bool, name: str, limit: str, value) -> None:
             if not ok:
-                raise ValueError(f"{name} must be {limit}, got {value!r}")
+                raise RequestError(f"{name} must be {limit}, got {value!r}", name)
 
         def is_num(x) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool)

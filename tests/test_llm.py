@@ -8,6 +8,7 @@ import math
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.errors import RequestError
 
 
 @pytest.fixture(scope="module")
@@ -115,22 +116,39 @@ def test_chat_uses_the_template(llm):
 
 
 @pytest.mark.parametrize(
-    "make, field",
+    "make, field, param",
     [
-        (lambda llm: llm.generate("", SamplingParams()), "prompt"),
-        (lambda llm: llm.generate([[]], SamplingParams()), "prompt"),
-        (lambda llm: llm.generate([1] * 9000, SamplingParams()), "maximum model length"),
-        (lambda llm: llm.generate("hi", SamplingParams(max_tokens=9000)), "max_tokens"),
-        (lambda llm: llm.generate("hi", SamplingParams(max_tokens=0)), "max_tokens"),
-        (lambda llm: llm.generate("hi", SamplingParams(temperature=-1)), "temperature"),
-        (lambda llm: llm.generate("hi", SamplingParams(top_p=0.0)), "top_p"),
-        (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p"),
-        (lambda llm: llm.generate([[10**9]], SamplingParams()), "out of range"),
+        (lambda llm: llm.generate("", SamplingParams()), "prompt", "prompt"),
+        (lambda llm: llm.generate([[]], SamplingParams()), "prompt", "prompt"),
+        (
+            lambda llm: llm.generate([1] * 9000, SamplingParams()),
+            "maximum model length",
+            "prompt",
+        ),
+        (
+            lambda llm: llm.generate("hi", SamplingParams(max_tokens=9000)),
+            "max_tokens",
+            "max_tokens",
+        ),
+        (
+            lambda llm: llm.generate("hi", SamplingParams(max_tokens=0)),
+            "max_tokens",
+            "max_tokens",
+        ),
+        (
+            lambda llm: llm.generate("hi", SamplingParams(temperature=-1)),
+            "temperature",
+            "temperature",
+        ),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=0.0)), "top_p", "top_p"),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p", "top_p"),
+        (lambda llm: llm.generate([[10**9]], SamplingParams()), "out of range", "prompt"),
     ],
 )
-def test_bad_input_raises_and_engine_keeps_serving(llm, make, field):
-    with pytest.raises(ValueError, match=field):
+def test_bad_input_raises_and_engine_keeps_serving(llm, make, field, param):
+    with pytest.raises(ValueError, match=field) as info:  # a RequestError is a ValueError
         make(llm)
+    assert isinstance(info.value, RequestError) and info.value.param == param
     llm.engine.check_integrity()
     assert not llm.engine.has_unfinished_requests()
     assert text(llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))[0])

@@ -139,6 +139,7 @@ class RequestError(Message, kind="request_error"):
     worker_id: str
     code: int  # HTTP-like: 400 bad input, 429/503 retry elsewhere, 500
     message: str
+    param: str | None = None  # a 400's field (engine/errors.py's RequestError.param)
 
 
 class ShmReach(Message, kind="shm_reach"):

@@ -41,6 +41,7 @@ from engine.core.stage_io import StageIO
 from engine.core.stage_step import StageInputs, StageStep, no_stage_inputs
 from engine.core.step_clock import step_clock
 from engine.core.validation import cap_for_tests, validate_prompt, validate_stage_fields
+from engine.errors import RequestError
 from engine.kvcache.block_pool import BlockListener
 from engine.model.llama import LayerHook
 from engine.outputs import RequestOutput
@@ -140,10 +141,12 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit; changes nothing."""
+        """Raise RequestError naming the field and the limit; changes nothing."""
         validate_prompt(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         if params.prompt_logprobs is not None and not self.stage.is_whole:
-            raise ValueError("prompt_logprobs are not served by pipeline stages")
+            raise RequestError(
+                "prompt_logprobs are not served by pipeline stages", "prompt_logprobs"
+            )
 
     def add_request(
         self,
@@ -173,7 +176,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt token ids must be a list of integers")
+                raise RequestError("prompt token ids must be a list of integers", "prompt")
             text, ids = prompt_text, list(prompt)
         self.validate(ids, params)
         validate_stage_fields(
@@ -182,7 +185,7 @@ class LLMEngine:
         params = cap_for_tests(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.out.parents:
-            raise ValueError(f"request_id {rid!r} is already in use")
+            raise RequestError(f"request_id {rid!r} is already in use", "request_id")
         # A constraint compiles once (cached): the servers compile it off their event loop
         # before they get here, so this is a cache hit for them.
         grammar = None

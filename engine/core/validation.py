@@ -7,29 +7,32 @@ from __future__ import annotations
 import dataclasses
 
 from engine import envs
+from engine.errors import RequestError
 from engine.sampling_params import SamplingParams
 
 
 def validate_prompt(
     prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
 ) -> None:
-    """Raise ValueError naming the field and the limit; changes nothing."""
+    """Raise RequestError naming the field and the limit; changes nothing."""
     n = len(prompt_token_ids)
     if n == 0:
-        raise ValueError("prompt must not be empty")
+        raise RequestError("prompt must not be empty", "prompt")
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt token id {bad} is out of range [0, {vocab_size})")
+        raise RequestError(f"prompt token id {bad} is out of range [0, {vocab_size})", "prompt")
     if n >= max_model_len:
-        raise ValueError(
+        raise RequestError(
             f"prompt (length {n}) is longer than the maximum model length of "
-            f"{max_model_len} tokens (it must leave room for at least one output token)"
+            f"{max_model_len} tokens (it must leave room for at least one output token)",
+            "prompt",
         )
     if n + params.max_tokens > max_model_len:
-        raise ValueError(
+        raise RequestError(
             f"max_tokens ({params.max_tokens}) is too large: the prompt has {n} tokens and "
             f"the maximum model length is {max_model_len}, so max_tokens must be <= "
-            f"{max_model_len - n}"
+            f"{max_model_len - n}",
+            "max_tokens",
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.errors import RequestError
 from engine.outputs import CompletionOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -46,34 +47,44 @@ def params_to_wire(p: SamplingParams) -> dict:
 
 def params_from_wire(raw: object) -> SamplingParams:
     """SamplingParams from an untrusted map (None: the defaults). Unknown keys and wrong types
-    are ValueErrors naming the field and the type it needs; SamplingParams checks the ranges."""
+    are RequestErrors naming the field and the type it needs; SamplingParams checks the ranges."""
     if raw is None:
         return SamplingParams()
     if not isinstance(raw, dict):
-        raise ValueError(f"params must be a map, got {type(raw).__name__}")
+        raise RequestError(f"params must be a map, got {type(raw).__name__}", "params")
     unknown = sorted(str(k) for k in raw if k not in _PARAM_FIELDS)
     if unknown:
-        raise ValueError(f"params has unknown fields: {', '.join(unknown)}")
+        raise RequestError(f"params has unknown fields: {', '.join(unknown)}", "params")
     for name, value in raw.items():
         if value is None and name in _NULLABLE:
             continue
         if name in _BOOL_FIELDS and not isinstance(value, bool):
-            raise ValueError(f"{name} must be a boolean, got {value!r} ({type(value).__name__})")
+            raise RequestError(
+                f"{name} must be a boolean, got {value!r} ({type(value).__name__})", name
+            )
         if name in _INT_FIELDS and not _is_int(value):
-            raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+            raise RequestError(
+                f"{name} must be an integer, got {value!r} ({type(value).__name__})", name
+            )
         if name in _FLOAT_FIELDS and not (_is_int(value) or isinstance(value, float)):
-            raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+            raise RequestError(
+                f"{name} must be a number, got {value!r} ({type(value).__name__})", name
+            )
     stop = raw.get("stop", [])
     if not isinstance(stop, str) and not (
         isinstance(stop, list) and all(isinstance(s, str) for s in stop)
     ):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise RequestError(f"stop must be a string or a list of strings, got {stop!r}", "stop")
     ids = raw.get("stop_token_ids", [])
     if not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
-        raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+        raise RequestError(
+            f"stop_token_ids must be a list of integers, got {ids!r}", "stop_token_ids"
+        )
     so = raw.get("structured_outputs")
     if so is not None and not isinstance(so, dict):
-        raise ValueError(f"structured_outputs must be a map, got {type(so).__name__}")
+        raise RequestError(
+            f"structured_outputs must be a map, got {type(so).__name__}", "structured_outputs"
+        )
     return SamplingParams(**raw)
 
 

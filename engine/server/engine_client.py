@@ -30,12 +30,13 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts the request. Raises
-        ValueError (bad input), QueueFullError (429), EngineShuttingDownError (503)."""
+        RequestError (400: bad input, naming the field; engine/errors.py), QueueFullError (429),
+        EngineShuttingDownError (503); anything else is a 500."""
         ...
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the params' structured-output constraint (if any) off the event loop, before
-        ``generate``. Raises ValueError naming the field (invalid, does not compile, or not
+        ``generate``. Raises RequestError naming the field (invalid, does not compile, or not
         within the deadline) and GrammarBusyError (503: too many compiles pending)."""
         ...
 

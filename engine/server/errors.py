@@ -1,13 +1,17 @@
 """Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, and the one map
-from engine exceptions to HTTP statuses that both the HTTP and the RPC server use."""
+from engine exceptions to HTTP statuses that both the HTTP and the RPC server use.
+
+Bad input is a 400 only when it says so: a ``RequestError`` (engine/errors.py) naming its field,
+or an ``APIError`` raised with a status. Any other exception, a ValueError or TypeError from a
+bug included, is a 500 with a generic message, and its traceback goes to the log."""
 
 from __future__ import annotations
 
 import logging
-import re
 
 from engine.async_llm import EngineDeadError, EngineShuttingDownError
 from engine.core.scheduler import QueueFullError
+from engine.errors import RequestError
 from engine.structured.compiler import GrammarBusyError
 
 logger = logging.getLogger("engine.server")
@@ -26,17 +30,6 @@ ERROR_TYPES = {
 }
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
-
-# Request fields a ValueError from the engine may name as its first word.
-KNOWN_PARAMS = frozenset(
-    (
-        "prompt n temperature top_p top_k min_p repetition_penalty presence_penalty "
-        "frequency_penalty seed max_tokens min_tokens stop stop_token_ids logprobs prompt_logprobs "
-        "request_id structured_outputs "
-        "messages model params timeout cache_salt tokens"
-    ).split()
-)
-_FIRST_WORD = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)")
 
 
 class APIError(Exception):
@@ -71,21 +64,14 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     }
 
 
-def guess_param(message: str, aliases: dict[str, str] | None = None) -> str | None:
-    """The request field a validation message names first ("temperature must be ..." ->
-    "temperature"), or None. ``aliases`` renames engine fields to the request's (prompt ->
-    messages for chat)."""
-    m = _FIRST_WORD.match(message)
-    if m is None or m.group(1) not in KNOWN_PARAMS:
-        return None
-    word = m.group(1)
-    return (aliases or {}).get(word, word)
-
-
 def to_api_error(exc: BaseException, aliases: dict[str, str] | None = None) -> APIError:
-    """Map an exception from the engine (or our own code) to an APIError."""
+    """Map an exception from the engine (or our own code) to an APIError. ``aliases`` renames
+    a RequestError's field to the request's own (prompt -> messages for chat)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, RequestError):
+        param = exc.param if exc.param is None else (aliases or {}).get(exc.param, exc.param)
+        return APIError(400, exc.message, param)
     if isinstance(exc, QueueFullError):
         err = APIError(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
         err.reason = getattr(exc, "reason", None)  # the cluster's admission says why
@@ -102,10 +88,7 @@ def to_api_error(exc: BaseException, aliases: dict[str, str] | None = None) -> A
         err = APIError(503, str(exc))
         err.reason = "unavailable"  # the engine died, or no worker of the cluster can serve
         return err
-    if isinstance(exc, (ValueError, TypeError)):
-        message = str(exc)
-        return APIError(400, message, guess_param(message, aliases))
     if isinstance(exc, TimeoutError):
         return APIError(408, str(exc) or "the request's deadline passed")
-    logger.error("internal error", exc_info=exc)
+    logger.exception("internal error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_llm import EngineDeadError, EngineShuttingDownError
 from engine.core.scheduler import QueueFullError
+from engine.errors import RequestError
 from engine.server import openapi
 from engine.server.errors import APIError, error_body, to_api_error
 from engine.server.inflight_cap import ClientCap
@@ -109,6 +110,10 @@ def build_app(
     async def _api_error(request: Request, exc: APIError):
         return fail(exc)
 
+    @app.exception_handler(RequestError)  # bad input outside generation (/tokenize): no trace
+    async def _request_error(request: Request, exc: RequestError):
+        return fail(to_api_error(exc))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)
@@ -150,13 +155,16 @@ def build_app(
             logger.warning("%s: %d: %s", request.url.path, err.status, exc)
             raise err from exc
         except (
-            ValueError,
-            TypeError,
+            RequestError,
             QueueFullError,
             EngineShuttingDownError,
             GrammarBusyError,
         ) as exc:
             raise to_api_error(exc, aliases) from exc
+        except APIError:
+            raise
+        except Exception as exc:  # a bug: a 500 whose traceback to_api_error logs, once
+            raise to_api_error(exc) from exc
 
     generation_docs = dict(
         response_class=JSONResponse,

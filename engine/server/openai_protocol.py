@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from engine.errors import RequestError
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError
 from engine.server.openai_structured import StructuredFields
@@ -107,7 +108,8 @@ class _SamplingRequest(_Strict, StructuredFields):
             )
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request; raises ValueError naming a bad field."""
+        """SamplingParams for this request; raises APIError or RequestError naming a bad
+        field."""
         self._check_unsupported()
         given = {
             name: getattr(self, name)
@@ -158,7 +160,7 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, str):
             return [p]
         if not p:
-            raise ValueError("prompt must not be empty")
+            raise RequestError("prompt must not be empty", "prompt")
         if isinstance(p[0], int):
             return [list(p)]
         return list(p)

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from engine.errors import RequestError
 from engine.model.tokenizer import template_variables
 from engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -153,8 +154,8 @@ class OpenAIServing:
         """The grammar of the reply's calls (tools.py), added to the request's parameters."""
         try:
             so = constraint(self.tool_format, tools)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "tools") from None
+        except RequestError as exc:
+            raise APIError(400, exc.message, "tools") from None
         if so is None:
             return params
         if params.structured_outputs is not None:
@@ -209,9 +210,9 @@ class OpenAIServing:
         compile, or not within the compiler's deadline."""
         try:
             await self.llm.compile_grammar(job.params)
-        except ValueError as exc:
+        except RequestError as exc:
             field = job.constraint_field
-            raise APIError(400, in_field(str(exc), field), field) from None
+            raise APIError(400, in_field(exc.message, field), field) from None
 
     # -- whole responses ------------------------------------------------------------------------
 
@@ -486,7 +487,8 @@ def _piece_bytes(piece: str | None) -> bytes | None:
 
 def _check_count(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_SEQUENCES:
-        raise ValueError(
+        raise RequestError(
             f"prompt count ({num_prompts}) times n ({n}) must be <= {MAX_SEQUENCES}, "
-            f"got {num_prompts * n}"
+            f"got {num_prompts * n}",
+            "prompt",
         )

@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
+from engine.errors import RequestError
 from engine.server.errors import APIError
 from engine.structured.params import StructuredOutputs
 
@@ -134,8 +135,8 @@ class StructuredFields(_Model):
         field, value = next(iter(raw.items()))
         try:
             return StructuredOutputs.from_dict(value), field
-        except ValueError as exc:
-            raise APIError(400, in_field(str(exc), field), field) from None
+        except RequestError as exc:
+            raise APIError(400, in_field(exc.message, field), field) from None
 
     @property
     def constraint_field(self) -> str | None:

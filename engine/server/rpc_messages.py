@@ -19,8 +19,9 @@ op answers: ``aborted``; ``healthy``, ``model``, ``max_model_len``, ``num_calls`
 "stop_reason", "logprobs"}``. Keys a reader does not know are ignored, both ways.
 
 Any failure is one ``error`` reply, ``{"error": {"message", "type", "param", "code"}}`` with
-HTTP-like codes (400 bad input, 413 too large, 429 overloaded, 503 shutting down, 408 deadline
-passed).
+HTTP-like codes (400 bad input, with ``param`` the field at fault; 413 too large, 429
+overloaded, 503 shutting down, 408 deadline passed, 500 an internal error, whose message names
+only its type).
 """
 
 from __future__ import annotations

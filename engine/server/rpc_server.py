@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from engine.errors import RequestError
 from engine.ipc import curve
 from engine.ipc.codec import CodecError, problem
 from engine.ipc.wire import output_to_wire, params_from_wire
@@ -64,13 +65,15 @@ def rpc_params(raw) -> SamplingParams:
     the choices' seeds (seed + i) would carry past 64 bits."""
     if isinstance(raw, dict) and raw.get("prompt_logprobs") is not None:
         # The RPC result has no place for them yet; refused rather than dropped.
-        raise ValueError("prompt_logprobs is not supported over RPC (the HTTP server has it)")
+        raise RequestError(
+            "prompt_logprobs is not supported over RPC (the HTTP server has it)", "prompt_logprobs"
+        )
     params = params_from_wire(raw)
     if params.n > MAX_N:
-        raise ValueError(f"n must be <= {MAX_N}, got {params.n}")
+        raise RequestError(f"n must be <= {MAX_N}, got {params.n}", "n")
     seed = params.seed
     if seed is not None and not -(2**63) <= seed <= 2**63 - 1 - MAX_N:
-        raise ValueError(f"seed must be in [-2**63, 2**63 - {MAX_N + 1}], got {seed}")
+        raise RequestError(f"seed must be in [-2**63, 2**63 - {MAX_N + 1}], got {seed}", "seed")
     return params
 
 
@@ -209,9 +212,7 @@ class RPCServer:
             else:
                 metrics = dataclasses.asdict(self.llm.metrics())
                 self._send(peer, r.Ok(call_id, metrics=metrics))
-        except Exception as exc:
-            if isinstance(exc, (ValueError, TypeError)) and not str(exc):
-                exc = ValueError(f"malformed request: {type(exc).__name__}")
+        except Exception as exc:  # bad input: its status; anything else: 500, logged
             self._send_error(peer, call_id, to_api_error(exc))
 
     def _start_call(self, peer, msg: r.Generate) -> None:
@@ -223,10 +224,12 @@ class RPCServer:
         request_id = msg.request_id or uuid.uuid4().hex
         timeout = self.default_timeout if msg.timeout is None else msg.timeout
         if not (math.isfinite(timeout) and 0 < timeout <= self.max_timeout):
-            raise ValueError(f"timeout must be in (0, {self.max_timeout}] seconds, got {timeout}")
+            raise RequestError(
+                f"timeout must be in (0, {self.max_timeout}] seconds, got {timeout}", "timeout"
+            )
         key = (peer[0], request_id)
         if key in self._calls:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise RequestError(f"request_id {request_id!r} is already in use", "request_id")
         stream = isinstance(msg, r.Stream)
         call = _Call(peer, msg.id, request_id, f"rpc-{uuid.uuid4().hex}", stream)
         self._calls[key] = call

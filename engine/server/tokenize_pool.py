@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from engine.errors import RequestError
+
 T = TypeVar("T")
 
 PREP_THREADS = 2  # tokenizing is fast per byte; more threads would compete with the engine
@@ -55,7 +57,8 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> int:
 def check_prompt_chars(num_chars: int, tokenizer, max_model_len: int, param: str) -> None:
     limit = max_prompt_chars(tokenizer, max_model_len)
     if num_chars > limit:
-        raise ValueError(
+        raise RequestError(
             f"{param} is too long: {num_chars} characters cannot fit in the maximum model "
-            f"length of {max_model_len} tokens (at most {limit} characters could)"
+            f"length of {max_model_len} tokens (at most {limit} characters could)",
+            param,
         )

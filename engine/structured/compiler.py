@@ -8,7 +8,7 @@ A compile happens once per distinct constraint: results sit in an LRU cache of
 ``cache_size`` entries, and concurrent requests for the same constraint share one compile.
 Compiles run on ``threads`` pool threads, never on the caller's (an event loop, the engine's step
 loop), and the caller waits at most ``timeout`` seconds: a constraint that takes longer is
-refused with a ValueError naming the field, and at most ``max_pending`` compiles may be queued
+refused with a RequestError naming the field, and at most ``max_pending`` compiles may be queued
 or running at once. A thread cannot be stopped, so a runaway compile keeps its pool thread until
 it ends; the size caps in params.py keep that rare and short.
 """
@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from engine.errors import RequestError
 from engine.structured.params import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ class GrammarCompiler:
         try:
             return fut.result(self.timeout if timeout is None else timeout)
         except concurrent.futures.TimeoutError:
-            raise ValueError(self._timeout_message(so)) from None
+            raise RequestError(self._timeout_message(so), "structured_outputs") from None
 
     async def compile_async(self, so: StructuredOutputs):
         """The same, awaited: the event loop keeps serving while the pool compiles."""
@@ -135,7 +136,7 @@ class GrammarCompiler:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.timeout)
         except asyncio.TimeoutError:
-            raise ValueError(self._timeout_message(so)) from None
+            raise RequestError(self._timeout_message(so), "structured_outputs") from None
 
     def _timeout_message(self, so: StructuredOutputs) -> str:
         return (
@@ -146,11 +147,11 @@ class GrammarCompiler:
         t0 = time.perf_counter()
         try:
             compiled = self._compile_now(so)
-        except ValueError:
+        except RequestError:
             raise
         except Exception as exc:  # xgrammar's parse errors are RuntimeErrors with a reason
             message = f"structured_outputs.{so.kind} could not be compiled: {_reason(exc)}"
-            raise ValueError(message) from None
+            raise RequestError(message, "structured_outputs") from None
         logger.debug("compiled %s in %.1f ms", so.kind, (time.perf_counter() - t0) * 1e3)
         return compiled
 

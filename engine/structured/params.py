@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.errors import RequestError
+
 # Caps on what a request may ask to compile: each names the field it checks.
 MAX_SCHEMA_CHARS = 65_536  # json, as compact JSON text
 MAX_SCHEMA_DEPTH = 32  # nesting of objects and arrays in the schema document
@@ -25,6 +27,12 @@ MAX_CHOICES = 1_024
 MAX_CHOICE_CHARS = 65_536  # all choices together
 _TOO_DEEP = f"structured_outputs.json nests deeper than the limit of {MAX_SCHEMA_DEPTH} levels"
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _refused(message: str) -> RequestError:
+    """The error for a constraint that is not valid: the request's field is structured_outputs
+    (the servers name the field the client sent, when another asked for it)."""
+    return RequestError(message, "structured_outputs")
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,7 @@ class StructuredOutputs:
             object.__setattr__(self, "json", canonical_schema(_parse_schema(self.json)))
         if self.choice is not None and not isinstance(self.choice, tuple):
             if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
-                raise ValueError(
+                raise _refused(
                     f"structured_outputs.choice must be a list of strings, got {self.choice!r}"
                 )
             object.__setattr__(self, "choice", tuple(self.choice))
@@ -59,18 +67,18 @@ class StructuredOutputs:
     def _validate(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(
+            raise _refused(
                 "structured_outputs must set exactly one of json, json_object, regex, choice, "
                 f"grammar; got {', '.join(given) or 'none'}"
             )
         for name in ("json_object", "disable_any_whitespace"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"structured_outputs.{name} must be a boolean")
+                raise _refused(f"structured_outputs.{name} must be a boolean")
         if self.json is not None:
             _check_len("json", self.json, MAX_SCHEMA_CHARS)
             depth = _depth(json.loads(self.json))
             if depth > MAX_SCHEMA_DEPTH:
-                raise ValueError(
+                raise _refused(
                     f"structured_outputs.json nests {depth} levels deep; the limit is "
                     f"{MAX_SCHEMA_DEPTH}"
                 )
@@ -80,9 +88,9 @@ class StructuredOutputs:
             _check_str("grammar", self.grammar, MAX_GRAMMAR_CHARS)
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+                raise _refused("structured_outputs.choice must be a non-empty list of strings")
             if len(self.choice) > MAX_CHOICES:
-                raise ValueError(
+                raise _refused(
                     f"structured_outputs.choice has {len(self.choice)} entries; the limit is "
                     f"{MAX_CHOICES}"
                 )
@@ -108,11 +116,11 @@ class StructuredOutputs:
         if isinstance(raw, StructuredOutputs):
             return raw
         if not isinstance(raw, dict):
-            raise ValueError(f"structured_outputs must be a map, got {type(raw).__name__}")
+            raise _refused(f"structured_outputs must be a map, got {type(raw).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(str(k) for k in raw if k not in known)
         if unknown:
-            raise ValueError(
+            raise _refused(
                 f"structured_outputs has unknown fields: {', '.join(unknown)} "
                 f"(known: {', '.join(sorted(known))})"
             )
@@ -122,7 +130,7 @@ class StructuredOutputs:
 def canonical_schema(schema: Any) -> str:
     """A schema (a dict, or True for any JSON value) as compact JSON text."""
     if not isinstance(schema, (dict, bool)):
-        raise ValueError(
+        raise _refused(
             f"structured_outputs.json must be a JSON schema (an object), got "
             f"{type(schema).__name__}"
         )
@@ -130,9 +138,9 @@ def canonical_schema(schema: Any) -> str:
         # Key order kept: a schema's property order is the order the output writes them in.
         return json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except RecursionError:
-        raise ValueError(_TOO_DEEP) from None
+        raise _refused(_TOO_DEEP) from None
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        raise _refused(f"structured_outputs.json is not valid JSON: {exc}") from None
 
 
 def _parse_schema(text: str) -> Any:
@@ -140,22 +148,20 @@ def _parse_schema(text: str) -> Any:
     try:
         return json.loads(text)
     except RecursionError:
-        raise ValueError(_TOO_DEEP) from None
+        raise _refused(_TOO_DEEP) from None
     except ValueError as exc:
-        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        raise _refused(f"structured_outputs.json is not valid JSON: {exc}") from None
 
 
 def _check_str(name: str, value: object, limit: int) -> None:
     if not isinstance(value, str) or not value:
-        raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        raise _refused(f"structured_outputs.{name} must be a non-empty string")
     _check_len(name, value, limit)
 
 
 def _check_len(name: str, text: str, limit: int) -> None:
     if len(text) > limit:
-        raise ValueError(
-            f"structured_outputs.{name} is {len(text)} characters; the limit is {limit}"
-        )
+        raise _refused(f"structured_outputs.{name} is {len(text)} characters; the limit is {limit}")
 
 
 def _depth(value: Any) -> int:

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import RequestError
 from engine.structured.params import StructuredOutputs
 
 FORMATS = ("hermes", "llama3_json", "generic")
@@ -99,7 +100,7 @@ def detect_format(template: str | None, variables: set[str]) -> str:
 
 def constraint(fmt: str, req: ToolRequest) -> StructuredOutputs | None:
     """The grammar the reply must match, or None (an "auto" reply the parser reads as it is).
-    A tool's ``parameters`` that xgrammar cannot read is a ValueError naming the tool."""
+    A tool's ``parameters`` that xgrammar cannot read is a RequestError naming the tool."""
     tools = req.allowed()
     if fmt == "generic" or req.forced:
         check_schemas(req.tools)
@@ -141,9 +142,10 @@ def check_schemas(tools: tuple[Tool, ...]) -> None:
         except Exception as exc:  # xgrammar's errors are RuntimeErrors with the reason
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             reason = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", lines[0])
-            raise ValueError(
+            raise RequestError(
                 f"tools.{i}.function.parameters is not a JSON schema this server can compile: "
-                f"{reason}"
+                f"{reason}",
+                "tools",
             ) from None
 
 

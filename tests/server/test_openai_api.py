@@ -162,6 +162,34 @@ def test_bad_chat_request(client):
     assert str(MAX_MODEL_LEN) in info.value.body["message"]
 
 
+def _broken_job(self, req):
+    raise ValueError("temperature must be a bug")  # reads like bad input; it is a bug
+
+
+def _broken_validate(ids, params):
+    raise TypeError("unsupported operand type(s)")
+
+
+@pytest.mark.parametrize("where", ["serving", "engine"])
+def test_a_bug_is_a_500_and_the_server_keeps_serving(http, llm, monkeypatch, where):
+    """A ValueError or TypeError that no input check raised is the server's fault: a 500 that
+    names no field and repeats nothing of the exception, never a 400."""
+    from engine.server.openai_serving import OpenAIServing
+
+    if where == "serving":
+        monkeypatch.setattr(OpenAIServing, "completion_job", _broken_job)
+    else:
+        monkeypatch.setattr(llm.engine, "validate", _broken_validate)
+    body = {"prompt": "Hi", "max_tokens": 2}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "InternalServerError" and err["param"] is None and err["code"] == 500
+    assert "temperature" not in err["message"] and "operand" not in err["message"]
+    monkeypatch.undo()
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)

@@ -67,6 +67,19 @@ def test_errors_name_the_field(client):
     assert info.value.code == 400 and info.value.param == "prompt"
 
 
+def test_a_bug_is_an_internal_error_and_the_server_keeps_serving(client, llm, monkeypatch):
+    def broken(ids, params):
+        raise ValueError("temperature must be a bug")  # reads like bad input; it is a bug
+
+    monkeypatch.setattr(llm.engine, "validate", broken)
+    with pytest.raises(RPCError) as info:
+        client.generate("Hi", max_tokens=2)
+    assert info.value.code == 500 and info.value.param is None
+    assert info.value.type == "InternalServerError" and "temperature" not in info.value.message
+    monkeypatch.undo()
+    assert client.generate("Hi", max_tokens=2).outputs[0].token_ids
+
+
 def test_abort_and_early_close_free_kv(client, llm):
     aborted = llm.metrics().finished.get("abort", 0)
     stream = client.stream("Count:", max_tokens=400, ignore_eos=True, request_id="mine")

@@ -24,6 +24,7 @@ from engine.cluster.router.membership import Membership, Worker
 from engine.cluster.router.outputs import apply_outputs, assemble, integrity_problem
 from engine.cluster.router.request import RouterRequest
 from engine.core.metrics import EngineMetrics
+from engine.errors import RequestError
 from engine.ipc.wire import params_to_wire
 from engine.kvcache.prefix_hash import hash_blocks
 
@@ -54,7 +55,7 @@ class Phases:
 
     def submit(self, req: RouterRequest) -> None:
         if req.request_id in self.requests:
-            req.deliver(ValueError(f"request_id {req.request_id!r} is in use"))
+            req.deliver(RequestError(f"request_id {req.request_id!r} is in use", "request_id"))
             return
         self.requests[req.request_id] = req
         with self.stats.lock:
@@ -142,7 +143,10 @@ class Phases:
                 self._retry(req, f"worker {wid}: {msg.message}")
                 return
             self._abort_legs(req)
-            exc = ValueError(msg.message) if msg.code == 400 else RuntimeError(msg.message)
+            if msg.code == 400:
+                exc: Exception = RequestError(msg.message, msg.param)
+            else:
+                exc = RuntimeError(msg.message)
             self._fail(req, exc)
 
     def worker_died(self, w: Worker) -> None:

@@ -31,6 +31,7 @@ from engine.cluster.router.request import Choice, RouterRequest
 from engine.core.metrics import EngineMetrics, MetricsSnapshot
 from engine.core.scheduler import QueueFullError
 from engine.core.validation import validate_prompt
+from engine.errors import RequestError
 from engine.kvstore.block_events import BlockEvent
 from engine.model.loader import open_checkpoint
 from engine.outputs import RequestMetrics, RequestOutput
@@ -93,7 +94,9 @@ class Router:
     ) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
         if params.prompt_logprobs is not None:  # the workers do not send them back yet
-            raise ValueError("prompt_logprobs is not supported by the cluster router")
+            raise RequestError(
+                "prompt_logprobs is not supported by the cluster router", "prompt_logprobs"
+            )
         rid = request_id or f"cluster-{next(self._ids)}"
         if not self._accepting:
             raise EngineShuttingDownError("the router is shutting down")
@@ -135,7 +138,7 @@ class Router:
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the params' structured-output constraint, if any, with the router's own
         compiler (the same tokenizer as the workers'), off the event loop: a constraint that is
-        invalid, does not compile or not within the deadline is refused here (ValueError naming
+        invalid, does not compile or not within the deadline is refused here (RequestError naming
         the field; GrammarBusyError when too many compiles are pending) before any worker sees
         it. The workers compile it again when they add the request (benign ones take ms)."""
         so = params.structured_outputs

@@ -26,6 +26,7 @@ from engine.cluster.worker.worker_config import WorkerConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request
 from engine.core.scheduler import QueueFullError
+from engine.errors import RequestError
 from engine.ipc.wire import params_from_wire
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -93,8 +94,8 @@ class PrefillRole(Role):
     def handle(self, msg: m.PrefillRequest) -> None:
         try:
             params = params_from_wire(msg.params)
-        except (ValueError, TypeError) as exc:
-            self.emit(m.RequestError(msg.request_id, self.worker_id, 400, str(exc)))
+        except RequestError as exc:
+            self.emit(m.RequestError(msg.request_id, self.worker_id, 400, exc.message, exc.param))
             return
         reqs = self._admit(msg, params)
         if reqs:
@@ -118,8 +119,12 @@ class PrefillRole(Role):
         except GrammarBusyError as exc:  # too many structured-output compiles in flight
             self.emit(m.RequestError(rid, self.worker_id, 503, str(exc)))
             return []
-        except (ValueError, TypeError) as exc:
-            self.emit(m.RequestError(rid, self.worker_id, 400, str(exc)))
+        except RequestError as exc:
+            self.emit(m.RequestError(rid, self.worker_id, 400, exc.message, exc.param))
+            return []
+        except Exception as exc:  # not the request's fault: a 500, and the worker goes on
+            log.exception("request %s: internal error", rid)
+            self.emit(m.RequestError(rid, self.worker_id, 500, f"internal error: {exc!r}"))
             return []
         reqs = self.engine.requests_of(rid)
         self.sender.add(

@@ -37,6 +37,7 @@ from engine.cluster.worker.worker_config import WorkerConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.scheduler_output import ScheduledRequest
 from engine.core.stage_io import StageIO, parent_request_id
+from engine.errors import RequestError
 from engine.ipc.wire import params_from_wire
 from engine.pipeline_stage import PipelineStage
 from engine.sampling_params import SamplingParams
@@ -144,12 +145,18 @@ class StageRole(PrefillRole):
         try:
             params = params_from_wire(msg.params)
             if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs are not served by prefill groups")
+                raise RequestError(
+                    "prompt_logprobs are not served by prefill groups", "prompt_logprobs"
+                )
             self.engine.validate(msg.prompt_token_ids, params)
             if not self.stage.is_last and not msg.stage_next:
                 raise ValueError(f"stage {self.stage} needs the next stage's endpoint")
-        except (ValueError, TypeError) as exc:
-            self.emit(m.RequestError(rid, self.worker_id, 400, str(exc)))
+        except RequestError as exc:
+            self.emit(m.RequestError(rid, self.worker_id, 400, exc.message, exc.param))
+            return
+        except ValueError as exc:  # this stage's set-up, not the request: a 500
+            log.error("request %s: %s", rid, exc)
+            self.emit(m.RequestError(rid, self.worker_id, 500, str(exc)))
             return
         layout = KVLayout(
             self.sender.num_layers, len(msg.prompt_token_ids), self.sender.token_bytes
