@@ -134,22 +134,9 @@ def build_parts(
         pack_weights=config.pack_weights,
     )
     return EngineParts(
-        config=config,
-        budget_set=budget_set,
-        device=device,
-        dtype=dtype,
-        model_config=built.config,
-        tokenizer=built.tokenizer,
-        model_path=built.path,
-        weight_cache_hit=built.cache_hit,
-        model=model,
-        cache=cache,
-        kv=kv,
-        connector=connector,
-        max_model_len=plan.max_model_len,
-        scheduler=scheduler,
-        runner=runner,
-    )
+        config, budget_set, device, dtype, built.config, built.tokenizer, built.path,
+        built.cache_hit, model, cache, kv, connector, plan.max_model_len, scheduler, runner,
+    )  # fmt: skip
 
 
 def start_device(parts: EngineParts) -> None:

@@ -77,10 +77,8 @@ class OutputProcessor:
         eos_token_ids: tuple[int, ...],
         metrics: EngineMetrics,
     ) -> None:
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer
+        self.scheduler, self.tokenizer, self.metrics = scheduler, tokenizer, metrics
         self.eos_token_ids = eos_token_ids
-        self.metrics = metrics
         self.parents: dict[str, Parent] = {}
         self.pending: list[RequestOutput] = []
         self._token_texts: dict[int, str] = {}

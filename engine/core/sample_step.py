@@ -31,12 +31,8 @@ class SampleStep:
         device: torch.device,
         token_text: Callable[[int], str],
     ) -> None:
-        self.runner = runner
-        self.compute_logits = compute_logits
-        self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
-        self.device = device
-        self.token_text = token_text
+        self.runner, self.compute_logits, self.token_text = runner, compute_logits, token_text
+        self.vocab_size, self.eos_token_ids, self.device = vocab_size, eos_token_ids, device
         self.sampler = Sampler()
 
     def run(
