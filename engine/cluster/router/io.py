@@ -19,6 +19,7 @@ from typing import Protocol
 import zmq
 
 from engine.cluster import messages as m
+from engine.cluster.router.commands import RouterCommand
 from engine.ipc import curve
 from engine.ipc.liveness import watch_peer
 from engine.kvstore.block_events import BlockEvent, BlockEventError
@@ -37,7 +38,7 @@ class Handler(Protocol):
 
     def on_block_event(self, event: BlockEvent) -> None: ...
 
-    def on_command(self, cmd: tuple) -> None: ...
+    def on_command(self, command: RouterCommand) -> None: ...
 
     def on_tick(self, now: float) -> None: ...
 
@@ -84,8 +85,8 @@ class RouterIO:
 
     # -- any thread -------------------------------------------------------------------------
 
-    def command(self, cmd: tuple) -> None:
-        self._commands.append(cmd)
+    def command(self, command: RouterCommand) -> None:
+        self._commands.append(command)
         self._wake()
 
     def stop(self, timeout: float = 10.0) -> None:

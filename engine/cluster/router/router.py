@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from engine.async_llm import EngineShuttingDownError
 from engine.cluster import messages as m
 from engine.cluster.placement import Placement
+from engine.cluster.router import commands as cmd
 from engine.cluster.router import shm_pairs
 from engine.cluster.router.config import ClusterUnavailableError, RouterConfig
 from engine.cluster.router.io import RouterIO
@@ -120,7 +121,7 @@ class Router:
             [Choice(logprobs=[] if params.logprobs is not None else None) for _ in range(params.n)],
             RequestMetrics(arrival_time=now),
         )
-        self._io.command(("submit", req))
+        self._io.command(cmd.Submit(req))
         finished = False
         try:
             while True:
@@ -133,7 +134,7 @@ class Router:
                     return
         finally:
             if not finished:
-                self._io.command(("abort", rid))
+                self._io.command(cmd.Abort(rid))
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the params' structured-output constraint, if any, with the router's own
@@ -160,7 +161,7 @@ class Router:
             return self._grammar_compiler
 
     async def abort(self, request_id: str) -> None:
-        self._io.command(("abort", request_id))
+        self._io.command(cmd.Abort(request_id))
 
     def is_healthy(self) -> bool:
         return self._io.is_alive() and self._members.serving()
@@ -196,7 +197,7 @@ class Router:
         deadline = time.monotonic() + timeout
         while self._requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self._io.command(("abort_all",))
+        self._io.command(cmd.AbortAll())
         deadline = time.monotonic() + 5.0
         while self._requests and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -246,28 +247,28 @@ class Router:
     def add_pool(self, source: str, events_address: str) -> None:
         """A pool service whose block events (``source`` names it in them) the placement hears:
         a holder prefill workers load prefixes from (conductor_placement.py)."""
-        self._io.command(("add_pool", source, events_address))
+        self._io.command(cmd.AddPool(source, events_address))
 
     def set_placement(self, placement: Placement) -> None:
         """Place requests from now on with ``placement`` (benchmarks compare policies on one
         cluster); it learns the live workers on its first ``place``. Pools added before are not
         carried over."""
-        self._io.command(("set_placement", placement))
+        self._io.command(cmd.SetPlacement(placement))
 
     # -- on the IO thread (io.Handler) ------------------------------------------------------
 
-    def on_command(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "submit":
-            self._phases.submit(cmd[1])
-        elif kind == "abort":
-            self._phases.abort(cmd[1])
-        elif kind == "abort_all":
-            self._phases.abort_all()
-        elif kind == "add_pool":
-            self._members.add_pool(cmd[1], cmd[2], time.monotonic())
-        elif kind == "set_placement":
-            self._members.placement = self._phases.placement = cmd[1]
+    def on_command(self, command: cmd.RouterCommand) -> None:
+        match command:
+            case cmd.Submit(request):
+                self._phases.submit(request)
+            case cmd.Abort(request_id):
+                self._phases.abort(request_id)
+            case cmd.AbortAll():
+                self._phases.abort_all()
+            case cmd.AddPool(source, events_address):
+                self._members.add_pool(source, events_address, time.monotonic())
+            case cmd.SetPlacement(placement):
+                self._members.placement = self._phases.placement = placement
 
     def on_message(self, identity: bytes, msg: m.Message, now: float) -> None:
         if isinstance(msg, m.Register):
