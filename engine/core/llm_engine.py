@@ -345,7 +345,7 @@ class LLMEngine:
         with self.metrics.lock:
             self.metrics.computed_prompt_tokens += computed
         self.scheduler.update_after_step(sched)
-        if self.connector is not None and ran.saves_blocks:
+        if self.connector is not None and ran.tokens is not None:  # (a stage sent its layers)
             save_new_blocks(self.connector, self.kv, sched)
         self.num_steps += 1
 

@@ -54,16 +54,15 @@ class Parent:
 class StepResult:
     """What one step's forward produced. ``tokens`` (and ``logprobs``, one per row, None where
     not asked) are the sampled tokens of ``requests``; None on a pipeline stage short of the
-    last, whose ``requests`` are those whose prompt ran (they end with ``finish_reason``).
-    ``forward_done`` and ``sampled_done`` are the step timer's clocks."""
+    last, whose ``requests`` are those whose prompt ran (they end STAGE_DONE; the stage handed
+    its KV on layer by layer, so it saves no whole blocks). ``forward_done`` and
+    ``sampled_done`` are the step timer's clocks."""
 
     requests: list[Request]
     tokens: list[int] | None
     logprobs: list[TokenLogprob | None] | None
     forward_done: float
     sampled_done: float
-    finish_reason: str | None = None
-    saves_blocks: bool = True  # hand the step's full blocks to the connector
 
 
 class OutputProcessor:
@@ -106,7 +105,7 @@ class OutputProcessor:
         """A step's tokens appended (or its stage rows ended), then the outputs that moved."""
         if ran.tokens is None:
             for req in ran.requests:
-                self.finish(req, ran.finish_reason)
+                self.finish(req, STAGE_DONE)
         else:
             for req, token, lp in zip(ran.requests, ran.tokens, ran.logprobs):
                 self.append(req, token, lp, now)

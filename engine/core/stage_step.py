@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.core.model_runner import ModelRunner, StepInputs
-from engine.core.output_processor import STAGE_DONE, StepResult
+from engine.core.output_processor import StepResult
 from engine.core.scheduler_output import ScheduledRequest
 from engine.core.stage_io import StageIO
 from engine.core.step_clock import step_clock
@@ -51,7 +51,7 @@ def no_stage_inputs(order: Sequence[ScheduledRequest]) -> None:
 class StageStep:
     """The forward of a stage short of the last: no logits, no sampling; the hidden states go to
     the StageIO, and the requests whose prompt ran end STAGE_DONE (their full blocks stay in the
-    prefix cache). The stage's connector got its KV layer by layer; no whole blocks are saved."""
+    prefix cache)."""
 
     def __init__(self, runner: ModelRunner, stage_io: StageIO, device: torch.device) -> None:
         self.runner, self.stage_io, self.device = runner, stage_io, device
@@ -65,6 +65,4 @@ class StageStep:
         del hidden
         forward_done = step_clock(self.device)
         done = [s.request for s in inputs.order if s.samples]  # before the counts advance
-        return StepResult(
-            done, None, None, forward_done, forward_done, STAGE_DONE, saves_blocks=False
-        )
+        return StepResult(done, None, None, forward_done, forward_done)

@@ -35,6 +35,7 @@ from engine.cluster.worker.prefill_role import KVSenderFactory, PrefillRole, _Pr
 from engine.cluster.worker.roles import Emit, WorkerSeams
 from engine.cluster.worker.worker_config import WorkerConfig
 from engine.core.llm_engine import LLMEngine
+from engine.core.output_processor import STAGE_DONE
 from engine.core.scheduler_output import ScheduledRequest
 from engine.core.stage_io import StageIO, parent_request_id
 from engine.errors import RequestError
@@ -43,8 +44,6 @@ from engine.pipeline_stage import PipelineStage
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-STAGE_DONE = "stage_done"  # a stage short of the last: the request's prompt went through it
 
 
 class LinkIO(StageIO):
