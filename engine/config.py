@@ -241,6 +241,14 @@ class EngineConfig:
     # (profiling/bench_step.py --compile): the GEMMs and the eager attention dominate a step and
     # dynamo's guard checks (~0.5 ms per compiled call under load) eat what fusion saves.
     compile: bool = False
+    # Deterministic (batch-invariant) on the CPU: every step, prefill chunks and decodes alike,
+    # runs through the C layers (kernels/native: the fixed-order GEMM of gemm.h, attention in
+    # chunks at absolute positions), and the LM head through the same GEMM, so a request's
+    # logits depend only on its own tokens, never on the batch it lands in, the chunk budget,
+    # prefill or decode, or the thread count (docs/determinism.md). Where the C layers do not
+    # apply (no C compiler, int8 weights, CUDA, torch.compile) it has no effect. False: prefill
+    # chunks and big batches take torch's GEMMs and attention (see the doc for the cost of each).
+    deterministic: bool = True
     # bf16 on the CPU: keep the projections' and the LM head's weights also in oneDNN's blocked
     # layout (bit-identical products without a reorder per call; layers/linear.py pack_bf16).
     # Costs a second copy of those weights in memory; False keeps one. Only where oneDNN packs

@@ -30,6 +30,7 @@ class LLM:
         device: str = "auto",
         quantization: str | None = None,
         compile: bool = False,
+        deterministic: bool = True,  # batch-invariant on the CPU (EngineConfig.deterministic)
         max_model_len: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -49,6 +50,7 @@ class LLM:
             device=device,
             quantization=quantization,
             compile=compile,
+            deterministic=deterministic,
             max_model_len=max_model_len,
             seed=seed,
             cache=CacheConfig(

@@ -59,6 +59,16 @@ ENGINE_FLAGS = (
         },
     ),
     EngineFlag(
+        "--deterministic",
+        "deterministic",
+        True,
+        {
+            "action": _BOOL,
+            "help": "CPU: a request's tokens and logprobs do not depend on the batch it lands in "
+            "(default on; --no-deterministic: torch's GEMMs for prefill, see docs/determinism.md)",
+        },
+    ),
+    EngineFlag(
         "--enforce-eager",
         "enforce_eager",
         False,

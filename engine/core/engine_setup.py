@@ -132,6 +132,7 @@ def build_parts(
         quantization=config.quantization,
         compile=config.resolved_compile(),
         pack_weights=config.pack_weights,
+        deterministic=config.deterministic,
     )
     return EngineParts(
         config, budget_set, device, dtype, built.config, built.tokenizer, built.path,

@@ -70,6 +70,7 @@ class ModelRunner:
         quantization: str | None = None,
         compile: bool = False,
         pack_weights: bool = False,
+        deterministic: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -92,7 +93,7 @@ class ModelRunner:
         )
         # Small decode-only steps by the C decoder layers where they apply (not under compile,
         # which was asked for by name).
-        self.native_decode = not compile and model.enable_native_decode()
+        self.native_decode = not compile and model.enable_native_decode(deterministic)
         self.graphs: DecodeGraphRunner | None = None  # decode steps under graphs (enable_graphs)
 
     def enable_graphs(

@@ -316,15 +316,27 @@ def decode_attention_native(
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    row_tables: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as decode_attention_ref, on CPU tensors, by the C kernel of
-    native/decode_attention.c: each K and V row read once from its paged block; (sequence,
-    256-token chunk) work items over torch's OpenMP threads, merged by log-sum-exp. A sequence's
-    result depends only on its own length (not on the batch or the thread count). A sequence of
-    length 0 gets zeros. max_seq_len and num_splits are accepted and not needed."""
+    native/decode_attention.c: each K and V row read once from its paged block, in 256-token
+    chunks at absolute positions merged in order by the online softmax's rule. A row's result
+    depends only on its own query, length and cache (not on the batch, the thread count or how
+    the work was split). A row of length 0 gets zeros. max_seq_len and num_splits are accepted
+    and not needed. ``row_tables`` [batch] int32: query row b reads block table row
+    ``row_tables[b]`` (the rows of a prefill chunk, each with its own causal length, share their
+    sequence's row); None: row b reads row b."""
     from engine.kernels import native
 
-    out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
+    if row_tables is not None:
+        check_tensor("row_tables", row_tables, ndim=1, dtypes=(torch.int32,),
+                     shape=(q.shape[0],), contiguous=True)  # fmt: skip
+        check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
+        own = torch.zeros(q.shape[0], block_tables.shape[1], dtype=block_tables.dtype)
+        _check_inputs(q, k_cache, v_cache, own, seq_lens, out, num_splits)
+        out = torch.empty_like(q) if out is None else out
+    else:
+        out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
     lib = native.library_for(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                              seq_lens=seq_lens, out=out)  # fmt: skip
     batch, num_heads, head_dim = q.shape
@@ -343,6 +355,8 @@ def decode_attention_native(
         out.data_ptr(),
         block_tables.data_ptr(),
         seq_lens.data_ptr(),
+        None if row_tables is None else row_tables.data_ptr(),
+        block_tables.shape[0],
         batch,
         num_heads,
         num_kv_heads,

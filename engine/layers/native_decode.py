@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels.float_matmul import rounds_rows
+from engine.kernels.gemm import pack_panels
 from engine.kernels.native.structs import Layer, Proj, Step
 from engine.layers.attention_metadata import AttentionMetadata
 
@@ -41,6 +41,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def panels_of(lin) -> torch.Tensor | None:
+    """The Linear's float weight packed for the fixed-order GEMM (kernels/gemm.py), packed once
+    and kept while the weight is the same tensor; None for int8 weights."""
+    w = lin.weight
+    if lin.qweight is not None or w is None:
+        return None
+    key = (w.data_ptr(), w.dtype, tuple(w.shape), w._version)
+    if getattr(lin, "panels_key", None) != key:
+        lin.panels, lin.panels_key = pack_panels(w.detach()), key
+    return lin.panels
+
+
 def _proj(lin, dtype: torch.dtype, codes: dict[torch.dtype, int]) -> Proj | None:
     """The C description of a Linear, or None where its weights are in a form the C layer does
     not read (a float weight in another dtype than the model's, unless 16-bit under float32)."""
@@ -51,14 +63,16 @@ def _proj(lin, dtype: torch.dtype, codes: dict[torch.dtype, int]) -> Proj | None
         qw, scales = lin.qweight, lin.scales
         if not (qw.is_contiguous() and scales.dtype == dtype and scales.is_contiguous()):
             return None
-        return Proj(W_I8, qw.data_ptr(), scales.data_ptr(), _ptr(bias), *qw.shape)
+        return Proj(W_I8, qw.data_ptr(), scales.data_ptr(), _ptr(bias), None, *qw.shape)
     w = lin.weight
     # the model's dtype, or 16-bit weights against float32 activations (store_weights_)
     if w is None or w.dtype not in codes or not w.is_contiguous():
         return None
-    if w.dtype != dtype and (dtype != torch.float32 or rounds_rows(w.dtype, dtype)):
-        return None  # (the AVX512-BF16 row dots would round float32 rows to bf16)
-    return Proj(codes[w.dtype], w.data_ptr(), None, _ptr(bias), *w.shape)
+    if w.dtype != dtype and dtype != torch.float32:
+        return None  # 16-bit weights take float32 activations
+    # the fixed-order GEMM's panels (gemm.h); they widen 16-bit weights exactly, so float32 rows
+    # against bf16 weights are never rounded (the AVX512-BF16 row dots would round them)
+    return Proj(codes[w.dtype], w.data_ptr(), None, _ptr(bias), panels_of(lin).data_ptr(), *w.shape)
 
 
 class NativeDecoder:
@@ -101,6 +115,8 @@ class NativeDecoder:
                 )
             )
         self.cos, self.sin = model.rotary.cos, model.rotary.sin_signed
+        self.code = codes[dtype]
+        self.layer_ids = model.layer_range  # global layer numbers (a pipeline stage's own)
 
     def run(
         self,
@@ -109,12 +125,11 @@ class NativeDecoder:
         meta: AttentionMetadata,
         layer_hook: Callable[[int], None] | None,
     ) -> torch.Tensor:
-        """hidden [T, H] (contiguous, updated in place) through every layer of a decode-only step
-        of T <= MAX_ROWS tokens; ``layer_hook(i)`` after layer i, as in the torch forward."""
-        tables = meta.decode_block_tables
-        if tables.dtype != torch.int32 or tables.stride(1) != 1:
-            tables = tables.to(torch.int32).contiguous()
-        lens = meta.decode_seq_lens.to(torch.int32).contiguous()
+        """hidden [T, H] (contiguous, updated in place) through every layer of any step: decode
+        rows and prefill chunks alike, each row attending over its own causal length (the
+        tokens of its sequence up to and including it); ``layer_hook(i)`` after layer i, as in
+        the torch forward."""
+        tables, lens, row_tables = step_rows(meta, hidden.shape[0])
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         step = Step(
@@ -124,6 +139,8 @@ class NativeDecoder:
             slots.data_ptr(),
             tables.data_ptr(),
             lens.data_ptr(),
+            _ptr(row_tables),
+            tables.shape[0],
             tables.shape[1],
             tables.stride(0),
             self.cos.data_ptr(),
@@ -131,10 +148,59 @@ class NativeDecoder:
             self.cos.shape[0],
         )
         fn, out = self.lib.engine_decode_layer, hidden.data_ptr()
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layer_ids, self.layers, strict=True):
             rc = fn(ctypes.byref(layer), ctypes.byref(step), out)
             if rc:
                 raise ValueError(f"decode layer {i} (C kernel): {_ERRORS.get(rc, rc)}")
             if layer_hook is not None:
                 layer_hook(i)
         return hidden
+
+    def norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The final RMSNorm of hidden [T, H], row by row in C (the same order for every row)."""
+        out = torch.empty_like(hidden)
+        rc = self.lib.engine_rms_norm(
+            self.code,
+            hidden.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            hidden.shape[0],
+            hidden.shape[1],
+            eps,
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise ValueError(f"final norm (C kernel): {_ERRORS.get(rc, rc)}")
+        return out
+
+
+def step_rows(
+    meta: AttentionMetadata, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every row's attention inputs for the C layer: (block tables [S, width] int32, each row's
+    causal length [rows] int32, each row's table row [rows] int32 or None where row i has table
+    row i). Decode rows come first with their sequences' tables; a prefill chunk's rows share
+    their sequence's table, row j of a chunk of q tokens over a sequence of L seeing L - q + 1 + j
+    tokens."""
+    nd = meta.num_decode_tokens
+    if not meta.has_prefill:
+        tables = meta.decode_block_tables
+        if tables.dtype != torch.int32 or tables.stride(1) != 1:
+            tables = tables.to(torch.int32).contiguous()
+        return tables, meta.decode_seq_lens.to(torch.int32).contiguous(), None
+    cu = meta.prefill_cu_seqlens_q.to(torch.int64)
+    q_lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)
+    offset = torch.arange(rows - nd) - cu[seq]
+    p_lens = meta.prefill_seq_lens.to(torch.int64)[seq] - q_lens[seq] + 1 + offset
+    p_tables = meta.prefill_block_tables.to(torch.int32)
+    if not nd:
+        return p_tables.contiguous(), p_lens.to(torch.int32), seq.to(torch.int32)
+    d_tables = meta.decode_block_tables.to(torch.int32)
+    width = max(d_tables.shape[1], p_tables.shape[1])
+    tables = torch.zeros(nd + p_tables.shape[0], width, dtype=torch.int32)
+    tables[:nd, : d_tables.shape[1]] = d_tables
+    tables[nd:, : p_tables.shape[1]] = p_tables
+    lens = torch.cat([meta.decode_seq_lens.to(torch.int64), p_lens]).to(torch.int32)
+    row_tables = torch.cat([torch.arange(nd), seq + nd]).to(torch.int32)
+    return tables, lens, row_tables

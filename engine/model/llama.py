@@ -13,6 +13,7 @@ import torch
 from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels.float_matmul import rounds_rows
+from engine.kernels.gemm import gemm_native, pack_panels
 from engine.layers.attention import PagedAttention
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.linear import Linear, pack_bf16, packed_linear
@@ -130,46 +131,54 @@ class LlamaForCausalLM(torch.nn.Module):
         self.lm_scales: torch.Tensor | None = None
         self.lm_packed: torch.Tensor | None = None  # oneDNN-packed bf16 LM head (pack_weights_)
         self.native_decode = False  # small decode steps by the C layers (enable_native_decode)
+        self.deterministic = False  # every step by the C layers (enable_native_decode)
         self._native: NativeDecoder | None = None  # bound to the weights and cache as they are
+        self.lm_panels: torch.Tensor | None = None  # the LM head packed for kernels/gemm.py
 
     @property
     def device(self) -> torch.device:
         return self.layers[0].input_layernorm.weight.device
 
-    def enable_native_decode(self) -> bool:
+    def enable_native_decode(self, deterministic: bool = False) -> bool:
         """Run decode-only steps of up to NATIVE_DECODE_MAX_ROWS sequences through the C decoder
-        layers (layers/native_decode.py) where they apply and pay: a model on the CPU whose C
+        layers (layers/native_decode.py) where they apply and pay; ``deterministic``: every step
+        (prefill chunks, mixed steps, any batch) and the final norm and LM head too, so that a
+        row's logits never depend on the rows beside it (EngineConfig.deterministic; not with
+        int8 weights, whose prefill stays torch's). They apply to a model on the CPU whose C
         kernels build here, with int8 weights (quantize_int8_ first) on any CPU, with float32,
         bf16 or fp16 weights where the C row dots have their AVX-512 or AVX2 paths (cpu_isa:
         without them the row dots are plain loops, and a bf16 decode step took 64 ms against the
         torch layers' 24 ms; float32 at 1 x 512 under ENGINE_CPU_ISA=avx2 took 50 against 116 ms
-        with them, see docs/cpu.md). ENGINE_KERNELS=torch turns them off at any time. Never for
-        a pipeline stage short of the whole model: stages only prefill.
+        with them, see docs/cpu.md). ENGINE_KERNELS=torch turns them off at any time. A
+        pipeline stage short of the whole model only prefills: it takes them when deterministic
+        (so that its KV and hidden states are the colocated engine's bits), else never.
         Returns whether they are on."""
         from engine import cpu_isa
 
         int8 = self.lm_qweight is not None
         self.native_decode = (
-            self.stage.is_whole
+            (self.stage.is_whole or deterministic)
             and self.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and self.device.type == "cpu"
             and (int8 or cpu_isa.this_cpu().c_float_row_dots)
             and kernels.use_native(self.device)
-            # bf16 weights under float32 activations: not where the row dots are AVX512-BF16's,
-            # which round the rows to bf16 (kernels/float_matmul.py rounds_rows)
-            and not rounds_rows(self.weight_dtype, self.dtype)
+            # bf16 weights under float32 activations: not where the int8-free row dots are
+            # AVX512-BF16's, which round the rows to bf16 (kernels/float_matmul.py rounds_rows);
+            # the fixed-order GEMM widens them exactly
+            and (deterministic or not rounds_rows(self.weight_dtype, self.dtype))
         )
-        self._native = None
+        self.deterministic = self.native_decode and deterministic and not int8
+        self._native = self.lm_panels = None
         return self.native_decode
 
     def _native_decoder(self, meta: AttentionMetadata, rows: int) -> NativeDecoder | None:
-        if (
-            not self.native_decode
-            or rows > NATIVE_DECODE_MAX_ROWS
+        if not self.native_decode or rows == 0 or not kernels.use_native(self.device):
+            return None
+        if not self.deterministic and (
+            rows > NATIVE_DECODE_MAX_ROWS
             or meta.has_prefill
             or meta.num_decode_tokens != rows
-            or rows == 0
-            or not kernels.use_native(self.device)
+            or not self.stage.is_whole
         ):
             return None
         if self._native is None:
@@ -217,7 +226,7 @@ class LlamaForCausalLM(torch.nn.Module):
             self.lm_head = self.embed_tokens
         elif self.lm_head is not None:
             self.lm_head = torch.nn.Parameter(self.lm_head.data.to(dtype), False)
-        self._native = None
+        self._native = self.lm_panels = None
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -242,7 +251,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 lin.quantize_int8_()
         if self.lm_head is not None:
             self.lm_qweight, self.lm_scales = quantize_int8(self.lm_head, self.dtype)
-        self._native = None
+        self._native = self.lm_panels = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D], num_layers the layers this
@@ -256,7 +265,7 @@ class LlamaForCausalLM(torch.nn.Module):
             )
         for i, layer in enumerate(self.layers):
             layer.attn.bind_cache(kv_cache[i, 0], kv_cache[i, 1])
-        self._native = None
+        self._native = self.lm_panels = None
 
     def forward(
         self,
@@ -286,8 +295,12 @@ class LlamaForCausalLM(torch.nn.Module):
             )
         native = self._native_decoder(meta, hidden.shape[0])
         if native is not None:
-            assert self.norm is not None  # the whole model
-            return self.norm(native.run(hidden, positions, meta, layer_hook))
+            hidden = native.run(hidden.contiguous(), positions, meta, layer_hook)
+            if self.norm is None:  # a pipeline stage short of the last
+                return hidden
+            if self.deterministic:
+                return native.norm(hidden, self.norm.weight, self.norm.eps)
+            return self.norm(hidden)
         for i, layer in zip(self.layer_range, self.layers, strict=True):
             hidden = layer(positions, hidden, meta)
             if layer_hook is not None:
@@ -300,6 +313,11 @@ class LlamaForCausalLM(torch.nn.Module):
         recomputed in float32 from the kept float LM head. Only the last pipeline stage has it."""
         if self.lm_head is None:
             raise ValueError(f"stage {self.stage} has no LM head: the last stage computes logits")
+        if self.deterministic and hidden.device.type == "cpu" and kernels.use_native(hidden.device):
+            # the fixed-order GEMM: float32 sums of exact products, one order per logit
+            if self.lm_panels is None:
+                self.lm_panels = pack_panels(self.lm_head.detach())
+            return gemm_native(hidden.contiguous(), self.lm_panels, self.lm_head.shape[0])
         if self.lm_qweight is not None:
             logits = int8_linear(hidden, self.lm_qweight, self.lm_scales, None).float()
         elif self.lm_packed is not None and hidden.dtype == torch.bfloat16:
@@ -346,7 +364,7 @@ class LlamaForCausalLM(torch.nn.Module):
                     f"expected {p.dtype} {list(p.shape)}"
                 )
             p.data = t.to(p.device)
-        self._native = None
+        self._native = self.lm_panels = None
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "") -> None:

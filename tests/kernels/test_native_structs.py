@@ -56,9 +56,9 @@ def _problems(lib, cls) -> str:
 def test_a_field_added_at_the_end_is_named(lib):
     step = _mirror("Step", [*structs.Step._fields_, ("extra", ctypes.c_int64)])
     msg = _problems(lib, step)
-    assert "Step.extra (c_long at offset 80" in msg or "Step.extra (c_longlong" in msg
+    assert "Step.extra (c_long at offset 96" in msg or "Step.extra (c_longlong" in msg
     assert "not in C, which ends after max_pos" in msg
-    assert "Step: sizeof 80 in C, 88 in ctypes" in msg
+    assert "Step: sizeof 96 in C, 104 in ctypes" in msg
 
 
 def test_a_field_added_in_the_middle_is_named(lib):
@@ -72,8 +72,8 @@ def test_a_field_added_in_the_middle_is_named(lib):
 def test_a_dropped_field_is_named(lib):
     layer = _mirror("Layer", _replace(structs.Layer, "sv_h", []))
     msg = _problems(lib, layer)
-    assert "Layer.sv_h (int64_t at offset 328, size 8) is in C but not in the ctypes mirror" in msg
-    assert "Layer: sizeof 336 in C, 328 in ctypes" in msg
+    assert "Layer.sv_h (int64_t at offset 360, size 8) is in C but not in the ctypes mirror" in msg
+    assert "Layer: sizeof 368 in C, 360 in ctypes" in msg
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_a_dropped_field_is_named(lib):
         (
             "num_blocks",
             ctypes.c_void_p,
-            "Layer.num_blocks: C has int64_t at offset 280, size 8, ctypes c_void_p",
+            "Layer.num_blocks: C has int64_t at offset 312, size 8, ctypes c_void_p",
         ),
     ],
 )
@@ -105,7 +105,7 @@ def test_a_nested_struct_of_another_type_is_named(lib):
     layer = _mirror("Layer", _replace(structs.Layer, "o", [("o", other)]))
     assert (
         _problems(lib, layer)
-        == "Layer.o: C has Proj at offset 120, size 48, ctypes Other at offset 120, size 48"
+        == "Layer.o: C has Proj at offset 128, size 56, ctypes Other at offset 128, size 56"
     )
 
 

@@ -255,7 +255,7 @@ def test_bad_slots_positions_and_tables_raise_and_write_nothing():
     "AVX-512 or AVX2 paths (test_which_weights_take_them_on_this_cpu checks the rest)",
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch, dtype):
+def test_without_determinism_the_engine_uses_them_for_small_decode_steps_only(monkeypatch, dtype):
     calls = []
     real_run = NativeDecoder.run
 
@@ -269,6 +269,7 @@ def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch, dtype):
             model=str(tiny_model("llama")),
             dtype=dtype,
             device="cpu",
+            deterministic=False,
             cache=CacheConfig(num_blocks=64, block_size=BLOCK),
         )
     )
@@ -285,6 +286,41 @@ def test_the_engine_uses_them_for_small_decode_steps_only(monkeypatch, dtype):
     torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)]
     assert not calls
     assert torch_out == native_out
+
+
+@pytest.mark.skipif(
+    not cpu_isa.this_cpu().c_float_row_dots or native.compiler() is None,
+    reason="the C layers serve float weights only where gemv.h has its vector paths",
+)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deterministic_engines_run_every_step_through_them(monkeypatch, dtype):
+    # the default: prefill chunks, mixed steps and batches past MAX_ROWS all take the C layers,
+    # and the logits come from the fixed-order GEMM (no oneDNN, no float32 refinement)
+    calls = []
+    real_run = NativeDecoder.run
+
+    def counting_run(self, hidden, *a):
+        calls.append(hidden.shape[0])
+        return real_run(self, hidden, *a)
+
+    monkeypatch.setattr(NativeDecoder, "run", counting_run)
+    llm = LLM.from_config(
+        EngineConfig(
+            model=str(tiny_model("llama")),
+            dtype=dtype,
+            device="cpu",
+            cache=CacheConfig(num_blocks=128, block_size=BLOCK),
+        )
+    )
+    assert llm.engine.model.deterministic
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [f"Item {i} of the list is" for i in range(MAX_ROWS + 4)]
+    llm.generate(prompts, params)
+    assert max(calls) > MAX_ROWS  # the prompts' prefill, in one step
+    steps = len(calls)
+    llm.engine.model.lm_panels = None
+    llm.generate(prompts[:1], params)
+    assert len(calls) == steps + 3 and llm.engine.model.lm_panels is not None
 
 
 def test_not_for_compiled_models():
@@ -318,6 +354,7 @@ def float32_llm():
             model=str(tiny_model("llama")),
             dtype="float32",
             device="cpu",
+            deterministic=False,  # the torch layers for prefill, as the tests below compare
             cache=CacheConfig(num_blocks=64, block_size=BLOCK),
         )
     )

@@ -45,7 +45,13 @@ from engine.kernels.native import structs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.c", "decode_layer.c", "float_matmul.c", "int8_matmul.c")
+SOURCES = (
+    "decode_attention.c",
+    "decode_layer.c",
+    "float_matmul.c",
+    "gemm.c",
+    "int8_matmul.c",
+)
 # A local include (`#include "gemv.h"`): the headers a build reads besides the system's.
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 # The element types the kernels take, by the codes of dtypes.h.
@@ -59,9 +65,9 @@ _state: dict[str, object] = {}
 
 _I, _I64, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    # dtype, q, k_cache, v_cache, out, block_tables, seq_lens, batch, heads, kv_heads, dim,
-    # block_size, num_blocks, table width, 11 strides, scale, threads
-    "engine_decode_attention": [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
+    # dtype, q, k_cache, v_cache, out, block_tables, seq_lens, row_tables, table rows, batch,
+    # heads, kv_heads, dim, block_size, num_blocks, table width, 11 strides, scale, threads
+    "engine_decode_attention": [_I, _P, _P, _P, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _I]
     + [_I64] * 13
     + [_F, _I],
     # layer, step, hidden (structs.Layer, structs.Step)
@@ -72,6 +78,11 @@ _SIGNATURES = {
     "engine_int8_matmul": [_I, _P, _P, _P, _P, _I, _I64, _I64, _I64, _I64, _I],
     # x dtype, weight dtype, x, w, y (float32), rows, N, K, x row stride, y row stride, threads
     "engine_float_matmul": [_I, _I, _P, _P, _P, _I, _I64, _I64, _I64, _I64, _I],
+    # x dtype, weight dtype, x, packed w, y (float32), rows, N, K, x row stride, y row stride,
+    # threads
+    # dtype, x, weight, out, rows, n, eps, threads
+    "engine_rms_norm": [_I, _P, _P, _P, _I64, _I, _F, _I],
+    "engine_gemm": [_I, _I, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I],
 }
 
 
@@ -212,6 +223,8 @@ def load_library(path: str | os.PathLike[str]) -> ctypes.CDLL:
     lib.engine_gemv_paths.restype = ctypes.c_char_p
     lib.engine_decode_attention_path.argtypes = []
     lib.engine_decode_attention_path.restype = ctypes.c_char_p
+    lib.engine_gemm_path.argtypes = []
+    lib.engine_gemm_path.restype = ctypes.c_char_p
     problems = structs.check(lib)
     if problems:
         raise NativeUnavailable(
@@ -264,6 +277,16 @@ def attention_path() -> str:
     if lib is None:
         raise NativeUnavailable(str(_state["error"]))
     return lib.engine_decode_attention_path().decode()
+
+
+def gemm_path() -> str:
+    """The path the loaded fixed-order GEMM (gemm.h) was compiled with: "avx2" (AVX2, FMA, F16C;
+    CPUs with AVX-512 too) or "c" (plain loops with fmaf; the same bits). NativeUnavailable where
+    the kernels cannot be built."""
+    lib = library()
+    if lib is None:
+        raise NativeUnavailable(str(_state["error"]))
+    return lib.engine_gemm_path().decode()
 
 
 def library_for(**tensors: torch.Tensor) -> ctypes.CDLL:

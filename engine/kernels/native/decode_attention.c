@@ -6,11 +6,17 @@
    memory three or four times, through a dozen ops per layer. Here each K and V row is read once,
    straight from its paged block, converted in registers and consumed.
 
-   Work items are (sequence, chunk of CHUNK tokens): every query head of the sequence over that
-   chunk's keys and values (a chunk's K and V, up to 256 tokens x KV heads x head_dim, stay in
-   the core's cache while its heads go over them); with fewer chunks than threads, (sequence,
-   chunk, KV head). A sequence's chunks are merged by log-sum-exp in a fixed order. A sequence's result
-   therefore depends only on its own length, never on the batch it runs in or the thread count.
+   Every query row (a decode token, or a token of a prefill chunk with its own causal length)
+   is attended in chunks of CHUNK tokens at absolute positions (tokens [0, 256), [256, 512), ...
+   of its sequence), each chunk's part (unnormalised output, max, sum of exponentials) merged
+   into the row's state in chunk order by the online softmax's rule (merge_part). Work items:
+   with few rows, (row, chunk) or (row, chunk, KV head), the parts merged afterwards
+   (flash-decoding: a long context is split across the team); with many rows, blocks of rows
+   that go over each chunk in turn while its K and V are in the core's cache (a prefill chunk).
+   Both give the same bits: a row's result depends only on its query, its length and its
+   cache, never on the rows beside it, the thread count, or whether it is a prefill or a decode
+   row. The tile boundaries being absolute positions is what makes a chunked prefill and a
+   decode of the same token agree (issue 41, deterministic by default).
 
    Vector paths (engine_decode_attention_path says which was compiled in): AVX-512
    (decode_attention_avx512.h), and AVX2 with FMA and F16C (decode_attention_avx2.h; x86-64-v3:
@@ -139,15 +145,17 @@ static void values_generic(const Args *a, const int32_t *table, int kh, int t0, 
 #include "decode_attention_avx512.h"
 #include "decode_attention_avx2.h"
 
-/* Attention of sequence b's query heads that share KV heads [kh0, kh1) over tokens [t0, t1):
-   their rows of the unnormalised output acc [heads, dim], the max m [heads] and the sum of
-   exponentials l [heads]. scores: heads * (CHUNK + dim) floats of scratch (the scores, then the
-   scaled query). */
-static void attend_chunk(const Args *a, int b, int kh0, int kh1, int t0, int t1, float *scores,
-                         float *acc, float *m, float *l) {
+/* Attention of query row b's heads that share KV heads [kh0, kh1) over tokens [t0, t1) (a chunk
+   at absolute positions): their rows of the unnormalised output acc [heads, dim], the max m
+   [heads] and the sum of exponentials l [heads]. scores: heads * (CHUNK + dim) floats of scratch
+   (the scores, then the scaled query). One compiled copy (noinline) serves every caller, so a
+   chunk's bits never depend on who asks for it. */
+static __attribute__((noinline)) void attend_chunk(const Args *a, int b, int kh0, int kh1, int t0,
+                                                   int t1, float *scores, float *acc, float *m,
+                                                   float *l) {
     const int H = a->heads, D = a->dim, G = H / a->kv_heads;
     const int n = t1 - t0;
-    const int32_t *table = a->tables + (int64_t)b * a->s_bt;
+    const int32_t *table = row_table(a, b);
     float *q = scores + (size_t)H * CHUNK;
     for (int h = kh0 * G; h < kh1 * G; h++) {
         load_row(a->dt, a->q, (int64_t)b * a->sq_b + (int64_t)h * a->sq_h, q + (size_t)h * D, D);
@@ -181,41 +189,125 @@ static void attend_chunk(const Args *a, int b, int kh0, int kh1, int t0, int t1,
     for (int kh = kh0; kh < kh1; kh++) values_fn(a, table, kh, t0, t1, scores, acc);
 }
 
-/* 0 when every sequence's block table row covers its length with blocks in [0, num_blocks),
-   else -3 (shared with decode_layer.c, which checks before it writes anything). */
-int engine_check_tables(const int32_t *block_tables, const int32_t *seq_lens, int batch,
-                        int block_size, int64_t num_blocks, int64_t table_width, int64_t s_bt) {
+/* Folds a chunk's part (acc, m, l of attend_chunk) for heads [h0, h1) into a row's running
+   state (o [heads, dim], mx, total), chunks in order from the first (first: the state is the
+   part). The online softmax's merge, one compiled copy for every caller (noinline): decode's
+   parts merged after the fact and a prefill row's merged as they come give the same bits. */
+static __attribute__((noinline)) void merge_part(int h0, int h1, int D, const float *acc,
+                                                 const float *m, const float *l, float *o,
+                                                 float *mx, float *total, int first) {
+    for (int h = h0; h < h1; h++) {
+        const float *src = acc + (size_t)h * D;
+        float *dst = o + (size_t)h * D;
+        if (first) {
+            mx[h] = m[h], total[h] = l[h];
+            memcpy(dst, src, sizeof(float) * (size_t)D);
+            continue;
+        }
+        const float top = m[h] > mx[h] ? m[h] : mx[h];
+        const float keep = expf(mx[h] - top), take = expf(m[h] - top);
+        mx[h] = top;
+        total[h] = total[h] * keep + l[h] * take;
+        for (int d = 0; d < D; d++) dst[d] = dst[d] * keep + src[d] * take;
+    }
+}
+
+/* Row b's output from its merged state: o / total in the cache's dtype (zeros for an empty row). */
+static void finish_row(const Args *a, int b, int h0, int h1, const float *o, const float *total) {
+    for (int h = h0; h < h1; h++)
+        store_row(a->dt, a->out, (int64_t)b * a->so_b + (int64_t)h * a->so_h,
+                  o + (size_t)h * a->dim, total[h] > 0.f ? 1.f / total[h] : 0.f, a->dim);
+}
+
+/* 0 when every query row's block table row (row_tables[b], or b; < table_rows) covers its length
+   with blocks in [0, num_blocks), else -3 (shared with decode_layer.c, which checks before it
+   writes anything). */
+int engine_check_tables(const int32_t *block_tables, const int32_t *seq_lens,
+                        const int32_t *row_tables, int64_t table_rows, int batch, int block_size,
+                        int64_t num_blocks, int64_t table_width, int64_t s_bt) {
     for (int b = 0; b < batch; b++) {
         const int64_t len = seq_lens[b] > 0 ? seq_lens[b] : 0;
         const int64_t need = (len + block_size - 1) / block_size;
         if (need > table_width) return -3;
-        const int32_t *row = block_tables + (int64_t)b * s_bt;
+        const int64_t r = row_tables ? row_tables[b] : b;
+        if (r < 0 || r >= table_rows) return -3;
+        const int32_t *row = block_tables + r * s_bt;
         for (int64_t j = 0; j < need; j++)
             if (row[j] < 0 || row[j] >= num_blocks) return -3;
     }
     return 0;
 }
 
-/* Returns 0; -1 for shapes beyond the limits; -2 when scratch memory could not be had; -3 when a
-   sequence is longer than its block table row or names a block outside [0, num_blocks) (checked
-   before anything is read). Strides are in elements. A sequence of length 0 gets zeros. */
-int engine_decode_attention(int dt, const void *q, const void *k_cache, const void *v_cache,
-                            void *out, const int32_t *block_tables, const int32_t *seq_lens,
-                            int batch, int heads, int kv_heads, int dim, int block_size,
-                            int64_t num_blocks, int64_t table_width,
-                            int64_t sq_b, int64_t sq_h, int64_t sk_b, int64_t sk_s, int64_t sk_h,
-                            int64_t sv_b, int64_t sv_s, int64_t sv_h, int64_t so_b, int64_t so_h,
-                            int64_t s_bt, float scale, int num_threads) {
-    if (heads > MAX_HEADS || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads ||
-        CHUNK % block_size)
-        return -1;
-    if (engine_check_tables(block_tables, seq_lens, batch, block_size, num_blocks, table_width,
-                            s_bt))
-        return -3;
-    const Args a = {dt, heads, kv_heads, dim, block_size, q, k_cache, v_cache, out,
-                    block_tables, seq_lens, sq_b, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
-                    so_b, so_h, s_bt, scale};
-    /* Items: every (sequence, chunk). first[b] is sequence b's first item. */
+/* Rows in a row block of the row-major mode (below). */
+#define ROW_BLOCK_ROWS 16
+
+/* Many rows (prefill chunks, big decode batches): a work item is a block of ROW_BLOCK_ROWS query
+   rows (and, when blocks are few, one KV head's query heads), its chunks taken in order, every
+   row of the block over a chunk while the chunk's K and V are in the core's cache, each row's
+   part merged into its state as it comes. */
+static int attention_row_blocks(const Args *a, int batch, int num_threads) {
+    const int heads = a->heads, dim = a->dim;
+    const int64_t blocks = (batch + ROW_BLOCK_ROWS - 1) / ROW_BLOCK_ROWS;
+    const int split = blocks < 2 * num_threads ? a->kv_heads : 1;
+    const int G = heads / a->kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const size_t state = (size_t)heads * ((size_t)dim + 2);
+        float *scratch = malloc(sizeof(float) * ((size_t)heads * (CHUNK + (size_t)dim) +
+                                                 state * (ROW_BLOCK_ROWS + 1)));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < blocks * split; j++) {
+            if (!scratch) continue;
+            const int b0 = (int)(j / split) * ROW_BLOCK_ROWS;
+            const int b1 = b0 + ROW_BLOCK_ROWS < batch ? b0 + ROW_BLOCK_ROWS : batch;
+            const int kh0 = split == 1 ? 0 : (int)(j % split);
+            const int kh1 = split == 1 ? a->kv_heads : kh0 + 1;
+            float *sc = scratch, *part = sc + (size_t)heads * (CHUNK + (size_t)dim);
+            float *st = part + state; /* the rows' states */
+            int chunks = 0;
+            for (int b = b0; b < b1; b++) {
+                const int len = a->lens[b] > 0 ? a->lens[b] : 0;
+                const int c = (len + CHUNK - 1) / CHUNK;
+                chunks = c > chunks ? c : chunks;
+                float *s = st + state * (size_t)(b - b0);
+                for (int h = kh0 * G; h < kh1 * G; h++) s[(size_t)heads * dim + heads + h] = 0.f;
+                if (len == 0) memset(s, 0, sizeof(float) * (size_t)heads * dim);
+            }
+            for (int c = 0; c < chunks; c++)
+                for (int b = b0; b < b1; b++) {
+                    const int t0 = c * CHUNK, len = a->lens[b];
+                    if (t0 >= len) continue;
+                    const int t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
+                    float *s = st + state * (size_t)(b - b0);
+                    attend_chunk(a, b, kh0, kh1, t0, t1, sc, part, part + (size_t)heads * dim,
+                                 part + (size_t)heads * dim + heads);
+                    merge_part(kh0 * G, kh1 * G, dim, part, part + (size_t)heads * dim,
+                               part + (size_t)heads * dim + heads, s, s + (size_t)heads * dim,
+                               s + (size_t)heads * dim + heads, c == 0);
+                }
+            for (int b = b0; b < b1; b++) {
+                const float *s = st + state * (size_t)(b - b0);
+                finish_row(a, b, kh0 * G, kh1 * G, s, s + (size_t)heads * dim + heads);
+            }
+        }
+        free(scratch);
+    }
+    return failed ? -2 : 0;
+}
+
+/* Few rows (a decode step of a few sequences): work items are (row, chunk), or (row, chunk, KV
+   head) when they are fewer than the threads, so that a long context is split across the team
+   (flash-decoding); each row's parts are then merged in chunk order (merge_part), the same bits
+   as attention_row_blocks'. */
+static int attention_split(const Args *a, int batch, int num_threads) {
+    const int heads = a->heads, dim = a->dim;
+    const int32_t *seq_lens = a->lens;
+    /* Items: every (row, chunk). first[b] is row b's first item. */
     int64_t *first = malloc(sizeof(int64_t) * ((size_t)batch + 1));
     if (!first) return -2;
     first[0] = 0;
@@ -233,13 +325,11 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
     }
     for (int b = 0; b < batch; b++)
         for (int64_t i = first[b]; i < first[b + 1]; i++) owner[i] = b;
-    /* Fewer chunks than threads (a short sequence alone): one item per (chunk, KV head) instead,
-       so that every thread has work. Each head's result is the same whichever item computes it. */
-    const int split = items < num_threads ? kv_heads : 1;
+    const int split = items < num_threads ? a->kv_heads : 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = malloc(sizeof(float) * (size_t)heads * (CHUNK + (size_t)dim));
+        float *scratch = malloc(sizeof(float) * ((size_t)heads * (CHUNK + (size_t)dim) + part));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -249,38 +339,56 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
             if (!scratch) continue;
             const int64_t i = j / split;
             const int b = owner[i], kh0 = split == 1 ? 0 : (int)(j % split);
-            const int kh1 = split == 1 ? kv_heads : kh0 + 1;
+            const int kh1 = split == 1 ? a->kv_heads : kh0 + 1;
             const int t0 = (int)(i - first[b]) * CHUNK;
             const int t1 = t0 + CHUNK < seq_lens[b] ? t0 + CHUNK : seq_lens[b];
             float *p = parts + part * (size_t)i;
-            attend_chunk(&a, b, kh0, kh1, t0, t1, scratch, p, p + (size_t)heads * dim,
+            attend_chunk(a, b, kh0, kh1, t0, t1, scratch, p, p + (size_t)heads * dim,
                          p + (size_t)heads * dim + heads);
         }
-        free(scratch);
 #pragma omp for schedule(static)
         for (int b = 0; b < batch; b++) {
-            const int64_t n = first[b + 1] - first[b];
-            for (int h = 0; h < heads; h++) {
-                float o[MAX_DIM];
-                memset(o, 0, sizeof(float) * (size_t)dim);
-                float mx = -INFINITY, total = 0.f;
-                for (int64_t i = first[b]; i < first[b + 1]; i++) {
-                    const float m = parts[part * (size_t)i + (size_t)heads * dim + h];
-                    mx = m > mx ? m : mx;
-                }
-                for (int64_t i = first[b]; i < first[b + 1]; i++) {
-                    const float *p = parts + part * (size_t)i;
-                    const float w = n == 1 ? 1.f : expf(p[(size_t)heads * dim + h] - mx);
-                    total += w * p[(size_t)heads * dim + heads + h];
-                    const float *acc = p + (size_t)h * dim;
-#pragma omp simd
-                    for (int d = 0; d < dim; d++) o[d] += w * acc[d];
-                }
-                store_row(dt, out, (int64_t)b * so_b + (int64_t)h * so_h, o,
-                          total > 0.f ? 1.f / total : 0.f, dim);
+            if (!scratch) continue;
+            float *s = scratch; /* the row's state */
+            memset(s, 0, sizeof(float) * part);
+            for (int64_t i = first[b]; i < first[b + 1]; i++) {
+                const float *p = parts + part * (size_t)i;
+                merge_part(0, heads, dim, p, p + (size_t)heads * dim,
+                           p + (size_t)heads * dim + heads, s, s + (size_t)heads * dim,
+                           s + (size_t)heads * dim + heads, i == first[b]);
             }
+            finish_row(a, b, 0, heads, s, s + (size_t)heads * dim + heads);
         }
+        free(scratch);
     }
     free(first), free(parts), free(owner);
     return failed ? -2 : 0;
+}
+
+/* Returns 0; -1 for shapes beyond the limits; -2 when scratch memory could not be had; -3 when a
+   row is longer than its block table row or names a block outside [0, num_blocks) (checked
+   before anything is read). Strides are in elements. A row of length 0 gets zeros. Query row b
+   reads block table row row_tables[b] (< table_rows), or b where row_tables is NULL: the rows of
+   a prefill chunk share their sequence's. A row's result depends only on its own query, length
+   and cache, never on the rows beside it, the thread count or the mode that computes it. */
+int engine_decode_attention(int dt, const void *q, const void *k_cache, const void *v_cache,
+                            void *out, const int32_t *block_tables, const int32_t *seq_lens,
+                            const int32_t *row_tables, int64_t table_rows, int batch, int heads,
+                            int kv_heads, int dim, int block_size, int64_t num_blocks,
+                            int64_t table_width, int64_t sq_b, int64_t sq_h, int64_t sk_b,
+                            int64_t sk_s, int64_t sk_h, int64_t sv_b, int64_t sv_s, int64_t sv_h,
+                            int64_t so_b, int64_t so_h, int64_t s_bt, float scale,
+                            int num_threads) {
+    if (heads > MAX_HEADS || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads ||
+        CHUNK % block_size)
+        return -1;
+    if (engine_check_tables(block_tables, seq_lens, row_tables,
+                            row_tables ? table_rows : batch, batch, block_size, num_blocks,
+                            table_width, s_bt))
+        return -3;
+    const Args a = {dt, heads, kv_heads, dim, block_size, q, k_cache, v_cache, out,
+                    block_tables, seq_lens, row_tables, sq_b, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s,
+                    sv_h, so_b, so_h, s_bt, scale};
+    if (batch >= 4 * num_threads) return attention_row_blocks(&a, batch, num_threads);
+    return attention_split(&a, batch, num_threads);
 }

@@ -28,9 +28,15 @@ typedef struct {
     const void *q, *k, *v;
     void *out;
     const int32_t *tables, *lens;
+    const int32_t *row_tables; /* [batch]: the block table row of each query row, or NULL (own) */
     int64_t sq_b, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_h, s_bt;
     float scale;
 } Args;
+
+/* Query row b's block table row. */
+static inline const int32_t *row_table(const Args *a, int b) {
+    return a->tables + (int64_t)(a->row_tables ? a->row_tables[b] : b) * a->s_bt;
+}
 
 static inline int64_t row_offset(const int32_t *table, int t, int bs, int64_t s_b, int64_t s_s,
                                  int64_t s_h, int kh) {

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "gemm.h"
 #include "gemv.h"
 #include "steal.h"
 
@@ -44,11 +45,13 @@
         }                                                                                         \
     } while (0)
 
-int engine_check_tables(const int32_t *block_tables, const int32_t *seq_lens, int batch,
-                        int block_size, int64_t num_blocks, int64_t table_width, int64_t s_bt);
+int engine_check_tables(const int32_t *block_tables, const int32_t *seq_lens,
+                        const int32_t *row_tables, int64_t table_rows, int batch, int block_size,
+                        int64_t num_blocks, int64_t table_width, int64_t s_bt);
 int engine_decode_attention(int dt, const void *q, const void *k_cache, const void *v_cache,
                             void *out, const int32_t *block_tables, const int32_t *seq_lens,
-                            int batch, int heads, int kv_heads, int dim, int block_size,
+                            const int32_t *row_tables, int64_t table_rows, int batch, int heads,
+                            int kv_heads, int dim, int block_size,
                             int64_t num_blocks, int64_t table_width, int64_t sq_b, int64_t sq_h,
                             int64_t sk_b, int64_t sk_s, int64_t sk_h, int64_t sv_b, int64_t sv_s,
                             int64_t sv_h, int64_t so_b, int64_t so_h, int64_t s_bt, float scale,
@@ -67,6 +70,7 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
     X(const void *, w)      /* [n, k] contiguous */                                               \
     X(const void *, scales) /* [n] in the model dtype (int8 only) */                              \
     X(const void *, bias)   /* [n] in the model dtype, or NULL */                                 \
+    X(const void *, panels) /* float w packed for gemm.h (gemm.py pack_panels), or NULL */        \
     X(int64_t, n)                                                                                 \
     X(int64_t, k)
 typedef struct {
@@ -112,6 +116,8 @@ typedef struct {
     X(const int64_t *, slots)        /* [rows]; slot -1: not written */                           \
     X(const int32_t *, block_tables) /* [rows, table_width], row stride s_bt */                   \
     X(const int32_t *, seq_lens)     /* [rows], including this token */                           \
+    X(const int32_t *, row_tables)   /* [rows]: the block table row of each row, or NULL (own) */ \
+    X(int64_t, table_rows)           /* block_tables' rows (with row_tables) */                   \
     X(int64_t, table_width)                                                                       \
     X(int64_t, s_bt)                                                                              \
     X(const float *, cos)        /* [max_pos, dim] (RotaryEmbedding's tables) */                  \
@@ -175,7 +181,32 @@ static inline float rnd(int dt, float f) {
 
 /* y[m * n + j] = rnd(x[m] . w[j] * scale[j]) (+ bias, rounded again) for m < rows. Returns 0 or
    -2 without memory. */
+static int project_rows(int dt, const Proj *p, const float *x, int rows, float *y, int threads);
+
+/* y = rnd(x W^T) (+ bias, rounded again) for any number of rows: float weights packed in panels
+   take the fixed-order GEMM (gemm.h: one order per output whatever the rows), others the row
+   dots in sets of GEMV_ROWS_LIMIT rows (also one order per output). Returns 0 or -2. */
 static int project(int dt, const Proj *p, const float *x, int rows, float *y, int threads) {
+    const int64_t N = p->n, K = p->k;
+    if (p->panels && p->wt != W_I8) {
+        gemm_packed(p->wt, x, K, rows, K, p->panels, N, y, N, threads);
+        if (dt == DT_F32 && !p->bias) return 0;
+        for (int64_t i = 0; i < (int64_t)rows * N; i++) {
+            float v = rnd(dt, y[i]);
+            if (p->bias) v = rnd(dt, v + load_f32(dt, p->bias, i % N));
+            y[i] = v;
+        }
+        return 0;
+    }
+    for (int m0 = 0; m0 < rows; m0 += GEMV_ROWS_LIMIT) {
+        const int n = rows - m0 < GEMV_ROWS_LIMIT ? rows - m0 : GEMV_ROWS_LIMIT;
+        if (project_rows(dt, p, x + (int64_t)m0 * K, n, y + (int64_t)m0 * N, threads)) return -2;
+    }
+    return 0;
+}
+
+/* project for 1 to GEMV_ROWS_LIMIT rows by the row dots or gemv_avx2.h's tiles. */
+static int project_rows(int dt, const Proj *p, const float *x, int rows, float *y, int threads) {
     const int64_t N = p->n, K = p->k, blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t wsize = p->wt == W_I8 ? 1 : (p->wt == DT_F32 ? 4 : 2);
 #if defined(GEMV_FLOAT_TILES)
@@ -305,7 +336,7 @@ int engine_decode_layer(const Layer *L, const Step *S, void *hidden) {
     const int dt = L->dt, R = S->rows, H = L->hidden, HQ = L->heads, HK = L->kv_heads;
     const int D = L->dim, I = L->inter;
     const int64_t QS = (int64_t)HQ * D, KS = (int64_t)HK * D, NQKV = QS + 2 * KS;
-    if (R < 1 || R > GEMV_ROWS_LIMIT || D > MAX_DIM || D % 2 || HK < 1 || HQ % HK ||
+    if (R < 1 || D > MAX_DIM || D % 2 || HK < 1 || HQ % HK ||
         L->qkv.n != NQKV || L->qkv.k != H || L->o.n != H || L->o.k != QS ||
         L->gate_up.n != 2 * (int64_t)I || L->gate_up.k != H || L->down.n != H || L->down.k != I)
         return -1;
@@ -314,7 +345,8 @@ int engine_decode_layer(const Layer *L, const Step *S, void *hidden) {
         if (S->positions[m] < 0 || S->positions[m] >= S->max_pos || S->slots[m] < -1 ||
             S->slots[m] >= slots)
             return -3;
-    if (engine_check_tables(S->block_tables, S->seq_lens, R, L->block_size, L->num_blocks,
+    if (engine_check_tables(S->block_tables, S->seq_lens, S->row_tables,
+                            S->row_tables ? S->table_rows : R, R, L->block_size, L->num_blocks,
                             S->table_width, S->s_bt))
         return -3;
     /* Float buffers: the hidden states, an activation row set, a projection output; q and the
@@ -336,7 +368,8 @@ int engine_decode_layer(const Layer *L, const Step *S, void *hidden) {
     if (project(dt, &L->qkv, x, R, y, th)) goto oom;
     ROWS(row_rope_store(L, S, y, qd, m));
     int rc = engine_decode_attention(dt, qd, L->k_cache, L->v_cache, od, S->block_tables,
-                                     S->seq_lens, R, HQ, HK, D, L->block_size, L->num_blocks,
+                                     S->seq_lens, S->row_tables, S->table_rows, R, HQ, HK, D,
+                                     L->block_size, L->num_blocks,
                                      S->table_width, QS, D, L->sk_b, L->sk_s, L->sk_h, L->sv_b,
                                      L->sv_s, L->sv_h, QS, D, S->s_bt, L->scale, th);
     if (rc) {
@@ -357,4 +390,25 @@ int engine_decode_layer(const Layer *L, const Step *S, void *hidden) {
 oom:
     free(hf), free(qd);
     return -2;
+}
+
+/* out [rows, n] = RMSNorm(x [rows, n]) with weight w (all in dtype dt, contiguous), row by row in
+   rms_norm's one order: the model's final norm for the C forward, so that a row's normed state,
+   like everything before it, does not depend on the rows beside it. Returns 0, -2 without
+   memory. */
+int engine_rms_norm(int dt, const void *x, const void *w, void *out, int64_t rows, int n,
+                    float eps, int threads) {
+    float *buf = malloc(sizeof(float) * 2 * (size_t)(rows > 0 ? rows : 1) * (size_t)n);
+    if (!buf) return -2;
+    const int64_t R = rows;
+    const int th = threads;
+#pragma omp parallel for num_threads(th) schedule(static) if (R >= ROWS_PARALLEL_MIN)
+    for (int64_t m = 0; m < R; m++) {
+        float *h = buf + 2 * m * n, *o = h + n;
+        for (int i = 0; i < n; i++) h[i] = load_f32(dt, x, m * n + i);
+        rms_norm(dt, h, w, n, eps, o);
+        for (int i = 0; i < n; i++) store_f32(dt, out, m * n + i, o[i]);
+    }
+    free(buf);
+    return 0;
 }

@@ -19,7 +19,15 @@ _C, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 class Proj(ctypes.Structure):
     """A projection y = x W^T (* scales) (+ bias): weight code, w, scales, bias, n, k."""
 
-    _fields_ = [("wt", _C), ("w", _P), ("scales", _P), ("bias", _P), ("n", _I64), ("k", _I64)]
+    _fields_ = [
+        ("wt", _C),
+        ("w", _P),
+        ("scales", _P),
+        ("bias", _P),
+        ("panels", _P),
+        ("n", _I64),
+        ("k", _I64),
+    ]
 
 
 class Layer(ctypes.Structure):
@@ -45,7 +53,8 @@ class Step(ctypes.Structure):
     _fields_ = [
         ("rows", _C),
         ("threads", _C),
-        *((name, _P) for name in ("positions", "slots", "block_tables", "seq_lens")),
+        *((name, _P) for name in ("positions", "slots", "block_tables", "seq_lens", "row_tables")),
+        ("table_rows", _I64),
         ("table_width", _I64),
         ("s_bt", _I64),
         ("cos", _P),

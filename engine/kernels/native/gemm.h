@@ -1,0 +1,159 @@
+/* y = x W^T for any number of rows, with one order for every output element: the fixed-order
+   GEMM that makes a row's result independent of the rows beside it (issue 41).
+
+   W is packed once, at load, in panels of GEMM_NR weight rows (engine/kernels/gemm.py
+   pack_panels): wp[p][k][j] = W[p * GEMM_NR + j][k], zero past N, in the weight's dtype (float32,
+   bfloat16 or float16). Every output is one float32 chain from zero,
+
+       acc = fma(x[m][k], w[n][k], acc)   for k = 0, 1, ..., K - 1,
+
+   whichever tile, row count, thread or path computes it: the AVX2 micro-kernel holds one output
+   per lane (GEMM_MR rows x GEMM_NR columns in 12 registers, x broadcast, W's panel row widened
+   exactly in registers), the plain-C path calls fmaf in the same order, so the two agree bit for
+   bit (and CPUs with AVX-512 run the AVX2 kernel). There are no horizontal sums and no split of
+   K. Prefill chunks and decode steps therefore give the same bits for the same row, whatever the
+   batch, the chunk budget or the thread count.
+
+   The products of 16-bit weights with float32 (or 16-bit) activations are exact in float32; only
+   the sums round, once per k. */
+
+#ifndef ENGINE_NATIVE_GEMM_H
+#define ENGINE_NATIVE_GEMM_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define GEMM_AVX2 1
+#define GEMM_PATH "avx2"
+#else
+#define GEMM_PATH "c"
+#endif
+
+#include "dtypes.h"
+#include "steal.h"
+
+#define GEMM_NR 16 /* weight rows per panel: two 8-lane registers */
+#define GEMM_MR 6  /* activation rows per tile: 12 accumulators + 2 weights + 1 broadcast */
+#define GEMM_MC 96 /* activation rows per work item (16 tiles): K x 96 floats stay in L2 */
+/* Rows up to which a work item is a few panels for all rows (the weights stream once, as in
+   a decode step), rather than a block of rows against a few panels. */
+#define GEMM_FEW_ROWS GEMM_MR
+#define GEMM_PANELS_PER_ITEM 2
+#define GEMM_PF_BYTES 2048 /* streaming a panel at a few rows: prefetch this far ahead */
+
+static inline int64_t gemm_esize(int wt) { return wt == DT_F32 ? 4 : 2; }
+
+#if defined(GEMM_AVX2)
+/* 8 weights of code wt at element i of p, widened exactly to float32. */
+static inline __attribute__((always_inline)) __m256 gemm_load8(int wt, const void *p, int64_t i) {
+    if (wt == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))),
+            16));
+    if (wt == DT_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+#endif
+
+/* y[r * ldy + j] for r < R, j < cols (<= GEMM_NR): rows x[r * ldx ...] against one panel. R a
+   constant once inlined (the accumulators then live in registers). */
+static inline __attribute__((always_inline)) void gemm_tile(int wt, const float *x, int64_t ldx,
+                                                            int R, const void *panel, int64_t K,
+                                                            float *y, int64_t ldy, int cols,
+                                                            int pf) {
+#if defined(GEMM_AVX2)
+    __m256 acc[GEMM_MR][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const char *pb = (const char *)panel;
+    const int64_t row = GEMM_NR * gemm_esize(wt);
+    for (int64_t k = 0; k < K; k++) {
+        if (pf && (k & 1) == 0) __builtin_prefetch(pb + k * row + GEMM_PF_BYTES, 0, 0);
+        const __m256 b0 = gemm_load8(wt, panel, k * GEMM_NR);
+        const __m256 b1 = gemm_load8(wt, panel, k * GEMM_NR + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (cols == GEMM_NR) {
+            _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+            _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+        } else {
+            float t[GEMM_NR];
+            _mm256_storeu_ps(t, acc[r][0]);
+            _mm256_storeu_ps(t + 8, acc[r][1]);
+            memcpy(y + r * ldy, t, sizeof(float) * (size_t)cols);
+        }
+    }
+#else
+    (void)pf;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < cols; j++) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++)
+                acc = fmaf(x[r * ldx + k], load_f32(wt, panel, k * GEMM_NR + j), acc);
+            y[r * ldy + j] = acc;
+        }
+#endif
+}
+
+/* Rows [0, M) in tiles of GEMM_MR (the last tile smaller) against one panel. */
+static inline __attribute__((always_inline)) void gemm_rows(int wt, const float *x, int64_t ldx,
+                                                            int64_t M, const void *panel,
+                                                            int64_t K, float *y, int64_t ldy,
+                                                            int cols, int pf) {
+    int64_t m = 0;
+    for (; m + GEMM_MR <= M; m += GEMM_MR)
+        gemm_tile(wt, x + m * ldx, ldx, GEMM_MR, panel, K, y + m * ldy, ldy, cols, pf);
+    switch (M - m) {
+    case 1: gemm_tile(wt, x + m * ldx, ldx, 1, panel, K, y + m * ldy, ldy, cols, pf); break;
+    case 2: gemm_tile(wt, x + m * ldx, ldx, 2, panel, K, y + m * ldy, ldy, cols, pf); break;
+    case 3: gemm_tile(wt, x + m * ldx, ldx, 3, panel, K, y + m * ldy, ldy, cols, pf); break;
+    case 4: gemm_tile(wt, x + m * ldx, ldx, 4, panel, K, y + m * ldy, ldy, cols, pf); break;
+    case 5: gemm_tile(wt, x + m * ldx, ldx, 5, panel, K, y + m * ldy, ldy, cols, pf); break;
+    default: break;
+    }
+}
+
+static void gemm_rows_wt(int wt, const float *x, int64_t ldx, int64_t M, const void *panel,
+                         int64_t K, float *y, int64_t ldy, int cols, int pf) {
+    switch (wt) {
+    case DT_BF16: gemm_rows(DT_BF16, x, ldx, M, panel, K, y, ldy, cols, pf); break;
+    case DT_F16: gemm_rows(DT_F16, x, ldx, M, panel, K, y, ldy, cols, pf); break;
+    default: gemm_rows(DT_F32, x, ldx, M, panel, K, y, ldy, cols, pf); break;
+    }
+}
+
+/* y[m * ldy + n] = sum_k x[m * ldx + k] * W[n][k] in the one order above, for m < M, n < N;
+   wp W's panels (weight code wt, a float code), x float32. Work items: at a few rows, a few
+   panels for every row (the weights stream once); beyond, GEMM_MC rows against a few panels.
+   Which thread takes an item never changes a bit. */
+static void gemm_packed(int wt, const float *x, int64_t ldx, int64_t M, int64_t K,
+                        const void *wp, int64_t N, float *y, int64_t ldy, int threads) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t pstride = K * GEMM_NR * gemm_esize(wt); /* bytes per panel */
+    const int64_t pgroups = (panels + GEMM_PANELS_PER_ITEM - 1) / GEMM_PANELS_PER_ITEM;
+    const int64_t mblocks = M <= GEMM_FEW_ROWS ? 1 : (M + GEMM_MC - 1) / GEMM_MC;
+    const int64_t mc = M <= GEMM_FEW_ROWS ? M : GEMM_MC;
+    const int pf = M <= 2;
+    /* items: panel group major, so that a thread's consecutive items share their panels */
+    STEAL_FOR(item, threads, pgroups * mblocks) {
+        const int64_t g = item / mblocks, mb = item % mblocks;
+        const int64_t m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
+        for (int64_t p = g * GEMM_PANELS_PER_ITEM; p < (g + 1) * GEMM_PANELS_PER_ITEM && p < panels;
+             p++) {
+            const int64_t n0 = p * GEMM_NR;
+            const int cols = N - n0 < GEMM_NR ? (int)(N - n0) : GEMM_NR;
+            gemm_rows_wt(wt, x + m0 * ldx, ldx, m1 - m0, (const char *)wp + p * pstride, K,
+                         y + m0 * ldy + n0, ldy, cols, pf);
+        }
+    }
+}
+
+#endif

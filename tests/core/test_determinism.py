@@ -1,0 +1,128 @@
+"""Deterministic by default (EngineConfig.deterministic): a request's tokens and logprobs are those
+of its solo run, bit for bit, whatever else the engine is doing: the batch it lands in, the
+chunk budget and where its chunks fall, when it and the others arrive, preemption and recompute,
+and prefix-cache hits. Greedy and seeded sampling, n > 1, float32 and bf16; the default model's
+vector paths too. With ``deterministic=False`` the batch still moves the logits (the test that
+shows the switch is real)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import tiny_model
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.llm_engine import LLMEngine
+from engine.kernels import native
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+
+
+def engine(model, dtype="float32", budget=2048, seqs=64, blocks=512, prefix=True, det=True):
+    e = LLMEngine(
+        EngineConfig(
+            model=model,
+            dtype=dtype,
+            device="cpu",
+            deterministic=det,
+            cache=CacheConfig(num_blocks=blocks, block_size=16, enable_prefix_caching=prefix),
+            scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs),
+        )
+    )
+    if det and not e.parts.runner.model.deterministic:
+        pytest.skip("the C layers do not apply on this CPU (no vector row dots)")
+    return e
+
+
+def run(e, schedule):
+    """schedule: (arrival step, prompt ids, params) per request; each request's final outputs
+    as (token ids, logprobs) per completion, in schedule order."""
+    rids: dict[int, str] = {}
+    final = {}
+    step = 0
+    while len(rids) < len(schedule) or e.has_unfinished_requests():
+        for i, (at, ids, sp) in enumerate(schedule):
+            if at == step and i not in rids:
+                rids[i] = e.add_request(ids, sp)
+        for o in e.step():
+            if o.finished:
+                final[o.request_id] = o
+        step += 1
+    return [
+        [(c.token_ids, c.logprobs) for c in final[rids[i]].outputs] for i in range(len(schedule))
+    ]
+
+
+def solo(model, dtype, schedule):
+    e = engine(model, dtype)
+    return [run(e, [(0, ids, sp)])[0] for _, ids, sp in schedule]
+
+
+def params(rng: random.Random, n_max=1):
+    greedy = rng.random() < 0.5
+    return SamplingParams(
+        max_tokens=rng.randint(1, 12),
+        temperature=0.0 if greedy else 0.9,
+        seed=None if greedy else rng.randint(0, 1000),
+        n=1 if greedy else rng.randint(1, n_max),
+        logprobs=2,
+        ignore_eos=True,
+    )
+
+
+def prompts(rng: random.Random, count: int, vocab=49152):
+    """Random prompts, some sharing a prefix with an earlier one (prefix-cache hits)."""
+    out: list[list[int]] = []
+    for _ in range(count):
+        fresh = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 300))]
+        if out and rng.random() < 0.4:
+            base = rng.choice(out)
+            fresh = base[: rng.randint(1, len(base))] + fresh[: rng.randint(0, 40)]
+        out.append(fresh)
+    return out
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    seed=st.integers(0, 2**16),
+    count=st.integers(2, 7),
+    budget=st.sampled_from([16, 48, 100, 256, 2048]),
+    seqs=st.integers(1, 6),
+    blocks=st.sampled_from([40, 512]),  # 40 blocks of 16: preemption and recompute
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+)
+def test_each_request_is_its_solo_run_bit_for_bit(seed, count, budget, seqs, blocks, dtype):
+    rng = random.Random(seed)
+    model = tiny_model("llama")
+    schedule = [(rng.randint(0, 6), ids, params(rng, 3)) for ids in prompts(rng, count)]
+    expected = solo(model, dtype, schedule)
+    got = run(engine(model, dtype, budget, seqs, blocks), schedule)
+    assert got == expected
+
+
+def test_the_default_models_vector_paths_are_batch_invariant():
+    # head_dim 64 takes the attention's vector paths; 9 query heads over 3 KV heads
+    rng = random.Random(7)
+    schedule = [(rng.randint(0, 3), ids, params(rng, 2)) for ids in prompts(rng, 5)]
+    schedule.append((1, list(range(1000, 1600)), params(rng)))  # 600 tokens: three 256-chunks
+    expected = solo("default", "float32", schedule)
+    for budget, seqs in [(64, 3), (512, 8)]:
+        assert run(engine("default", "float32", budget, seqs), schedule) == expected
+
+
+def test_without_it_the_batch_moves_the_logprobs():
+    # the switch is real: torch's GEMMs for prefill chunks give other bits than decode rows, so
+    # at least one request's logprobs differ between its solo run and a batched one
+    model = tiny_model("llama")
+    rng = random.Random(3)
+    schedule = [(0, ids, params(rng)) for ids in prompts(rng, 6)]
+    alone = []
+    e = engine(model, det=False)
+    for _, ids, sp in schedule:
+        alone.append(run(e, [(0, ids, sp)])[0])
+    together = run(engine(model, budget=64, det=False), schedule)
+    assert together != alone

@@ -1,0 +1,79 @@
+"""The C paged attention (native/decode_attention.c) at rows of their own causal lengths: the
+rows of a prefill chunk give the bits a decode of each token alone gives, whatever the rows
+beside them, the chunking of the prompt, the mode that splits the work (row blocks or
+flash-decoding) or the thread count; and they stay within the reference's bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_inputs import TOL, random_paged_cache
+
+from engine.kernels import native
+from engine.kernels.decode_attention import decode_attention_native, decode_attention_ref
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+
+
+def sequences(lens, dtype, heads=9, kv_heads=3, dim=64, block=16, seed=0):
+    """A cache holding sequences of ``lens`` tokens and one query per token of each."""
+    g = torch.Generator().manual_seed(seed)
+    k, v, tables = random_paged_cache(lens, kv_heads, dim, block, dtype, g)
+    q = torch.randn(sum(lens), heads, dim, generator=g).to(dtype)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(torch.int32)
+    causal = torch.cat([torch.arange(1, n + 1) for n in lens]).to(torch.int32)
+    return q, k, v, tables, seq, causal
+
+
+def rows(q, k, v, tables, seq, causal, idx):
+    """Attention of the query rows ``idx`` in one call (each over its own causal length)."""
+    idx = torch.as_tensor(idx)
+    return decode_attention_native(
+        q[idx].contiguous(), k, v, tables, causal[idx].contiguous(), 64**-0.5,
+        row_tables=seq[idx].contiguous(),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_give_each_tokens_decode_bits(dtype):
+    # 700 tokens: three 256-token chunks, the last partial; and a short second sequence
+    q, k, v, tables, seq, causal = sequences([700, 40], dtype)
+    every = rows(q, k, v, tables, seq, causal, range(740))  # row blocks (many rows)
+    for t in [0, 1, 255, 256, 257, 511, 699, 700, 739]:
+        alone = rows(q, k, v, tables, seq, causal, [t])  # a decode of token t (flash-decoding)
+        assert torch.equal(alone[0], every[t]), t
+    # the prompt chunked differently, and mixed with the other sequence's rows
+    for lo, hi in [(0, 100), (100, 357), (357, 700), (650, 740)]:
+        assert torch.equal(rows(q, k, v, tables, seq, causal, range(lo, hi)), every[lo:hi])
+    shuffled = torch.randperm(740, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(rows(q, k, v, tables, seq, causal, shuffled), every[shuffled])
+
+
+def test_the_thread_count_changes_no_bit():
+    q, k, v, tables, seq, causal = sequences([600], torch.float32)
+    before = torch.get_num_threads()
+    try:
+        got = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got.append(rows(q, k, v, tables, seq, causal, range(600)))
+            got.append(rows(q, k, v, tables, seq, causal, [599, 300]))
+    finally:
+        torch.set_num_threads(before)
+    for i in range(2, len(got)):
+        assert torch.equal(got[i], got[i % 2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_match_the_reference(dtype):
+    q, k, v, tables, seq, causal = sequences([300, 9], dtype, seed=3)
+    got = rows(q, k, v, tables, seq, causal, range(309))
+    ref = decode_attention_ref(q, k, v, tables[seq.long()], causal, 64**-0.5)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+def test_a_row_table_outside_the_tables_is_refused():
+    q, k, v, tables, seq, causal = sequences([20], torch.float32)
+    bad = torch.full_like(seq, 5)  # the tables have one row
+    with pytest.raises(ValueError, match="block table"):
+        decode_attention_native(q, k, v, tables, causal, 0.125, row_tables=bad)
