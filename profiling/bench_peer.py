@@ -198,12 +198,13 @@ def thread_env(threads: int) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def start_engine(args, gguf: str) -> Server:
+def start_engine(args, gguf: str, name: str = "engine", extra: str | None = None) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "engine", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--log-level", "warning", "--max-num-seqs", "64", "--kv-cache-memory-gb", "2"]
-    cmd += shlex.split(args.engine_args)
-    return Server("engine", cmd, port, thread_env(args.threads), args.log_prefix + "engine.log")
+    cmd += shlex.split(args.engine_args if extra is None else extra)
+    log = args.log_prefix + name.replace(" ", "_") + ".log"
+    return Server(name, cmd, port, thread_env(args.threads), log)
 
 
 def start_llama(args, gguf: str) -> Server:
@@ -326,6 +327,9 @@ def main() -> int:
     ap.add_argument("--llama-server", default=None, help="path to a llama-server binary")
     ap.add_argument("--llama-args", default="", help="extra llama-server arguments")
     ap.add_argument("--engine-args", default="", help="extra `engine serve` arguments")
+    ap.add_argument("--baseline-engine-args", default=None, help="also run a second `engine "
+                    "serve` with these arguments (e.g. \"--no-deterministic\"), in turn with the "
+                    "others, and report the engine's ratios against it")  # fmt: skip
     ap.add_argument("--workloads", nargs="+", default=["chat", "prefix", "batch1"])
     ap.add_argument("--threads", type=int, default=2, help="threads of every system")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
@@ -367,6 +371,10 @@ def main() -> int:
     try:
         servers["engine"] = start_engine(args, gguf)
         print(f"engine serve healthy after {servers['engine'].start_s:.1f} s")
+        if args.baseline_engine_args is not None:
+            servers["baseline"] = start_engine(args, gguf, "baseline", args.baseline_engine_args)
+            print(f"baseline engine ({args.baseline_engine_args}) healthy after "
+                  f"{servers['baseline'].start_s:.1f} s")  # fmt: skip
         if args.llama_server:
             servers["llama-server"] = start_llama(args, gguf)
             print(f"llama-server healthy after {servers['llama-server'].start_s:.1f} s")
@@ -380,7 +388,7 @@ def main() -> int:
                 rows = {}
                 # Each round both servers in turn, the order reversed every other round (ABBA):
                 # on a shared machine a drift then favours neither.
-                for name in round_order(["llama-server", "engine"], i):
+                for name in round_order(["llama-server", "baseline", "engine"], i):
                     if name in servers:
                         s = servers[name]
                         r = asyncio.run(http_load(s.url, s.model_id(), prompts, out_len, conc))
@@ -440,6 +448,15 @@ def main() -> int:
     if "engine" in b1 and "llama-server" in b1:
         speed = b1["llama-server"]["tpot_p50_ms"] / b1["engine"]["tpot_p50_ms"]
         print(f"target (batch 1): decode {speed:.2f}x llama-server's (>= 1x)")
+    if args.baseline_engine_args is not None:
+        print(f"\nthe engine against the baseline ({args.baseline_engine_args}), medians:")
+        for w, rows in res["workloads"].items():
+            e, b = rows["engine"], rows["baseline"]
+            print(
+                f"{w}: throughput {e['output_tok_s'] / b['output_tok_s']:.2f}x, "
+                f"TTFT p50 {e['ttft_p50_s'] / b['ttft_p50_s']:.2f}x (time), "
+                f"decode (1/TPOT p50) {b['tpot_p50_ms'] / e['tpot_p50_ms']:.2f}x"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -11,7 +11,8 @@ references), the layers (bf16 and int8 against float32, the C decoder layers aga
 layers, float32 included: the default dtype there, whose decode steps the C layers serve with the
 AVX2 float32 row dots; the tiny models of each architecture against transformers) and the bf16
 cluster. Not the SmolLM2 parity tests (float32 against transformers, ~45 s): the tiny models
-run the same layers.
+run the same layers. And the engine's determinism (batch invariance of the C layers as the
+engine drives them: tests/kernels holds the GEMM's and the attention's own).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ PATHS = (
     "tests/layers/test_native_decode.py",
     "tests/model/test_models_vs_transformers.py",
     "tests/cluster/test_cluster_bf16.py",
+    "tests/core/test_determinism.py",
 )
 CAP = "avx2"
 # What engine/cpu_isa.py sets for a cap; the caller's own values must not reach the capped run.

@@ -180,13 +180,14 @@ def log_cpu(parts: EngineParts) -> None:
     weights = config.quantization or str(parts.model.weight_dtype).removeprefix("torch.")
     logger.info(
         "%s; this engine: %s%s (%s), packed bf16 weights %s, C decoder layers %s, "
-        "%d tokens per step (%s)",
+        "deterministic %s, %d tokens per step (%s)",
         isa.describe(),
         dtype,
         f" with {weights} weights" if weights != dtype else "",
         dtype_reason(config),
         on[bool(runner.packed)],
         on[bool(runner.native_decode)],
+        "on (every step by the C layers)" if parts.model.deterministic else "off",
         parts.scheduler.config.max_num_batched_tokens,
         "--max-num-batched-tokens" if parts.budget_set else "the CPU default",
     )

@@ -86,14 +86,18 @@ class ModelRunner:
         self.compiled = compile
         if compile:
             compile_layers(model)
-        # bf16 weights packed for oneDNN (not under compile: inductor packs its own, and not
-        # with int8, whose weights are not bf16 any more).
-        self.packed = (
-            pack_weights and quantization is None and not compile and model.pack_weights_()
-        )
-        # Small decode-only steps by the C decoder layers where they apply (not under compile,
-        # which was asked for by name).
+        # Small decode-only steps (deterministic: every step) by the C decoder layers where they
+        # apply (not under compile, which was asked for by name).
         self.native_decode = not compile and model.enable_native_decode(deterministic)
+        # bf16 weights packed for oneDNN (not under compile: inductor packs its own, not with
+        # int8, whose weights are not bf16 any more, and not where every step is C's).
+        self.packed = (
+            pack_weights
+            and quantization is None
+            and not compile
+            and not model.deterministic
+            and model.pack_weights_()
+        )
         self.graphs: DecodeGraphRunner | None = None  # decode steps under graphs (enable_graphs)
 
     def enable_graphs(

@@ -26,6 +26,7 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (Q load, partial write, merge) dominates
 MAX_SPLITS = 64  # chosen by the heuristic
 MAX_FORCED_SPLITS = 128  # num_splits argument clamped to this
+SPLIT_TOKENS_MULTIPLE = 64  # split_tokens: a multiple of every BLOCK_N the launcher picks
 
 
 _GATHER_CHUNK_BYTES = 2 << 20
@@ -165,6 +166,7 @@ def _decode_split_kernel(
     scale_log2,
     num_heads,
     num_splits,  # runtime, not constexpr: a new split count must not trigger a recompile
+    split_tokens,  # > 0: every split that many tokens at absolute positions (a multiple of BLOCK_N)
     stride_qb,
     stride_qh,
     stride_kb,
@@ -187,13 +189,17 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
 ):
     # Grid (batch, kv heads, num_splits). Each sequence's context is cut into num_splits
-    # BLOCK_N-aligned pieces of its own length, so short sequences leave trailing splits empty;
-    # an empty split writes lse = -inf and weighs nothing in the merge.
+    # BLOCK_N-aligned pieces of its own length (or, with split_tokens, pieces of that many tokens
+    # at absolute positions, whatever the batch), so short sequences leave trailing splits
+    # empty; an empty split writes lse = -inf and weighs nothing in the merge.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if split_tokens > 0:
+        split_len = split_tokens
+    else:
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -388,11 +394,26 @@ def decode_attention_triton(
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    split_tokens: int | None = None,
 ) -> torch.Tensor:
     """Same contract as decode_attention_ref; split-KV (flash-decoding) in two kernels, or one
     when num_splits is 1. No host sync: without max_seq_len the split count is sized from the
-    block table's width. A sequence of length 0 gets zeros (the reference gives NaN)."""
+    block table's width. A sequence of length 0 gets zeros (the reference gives NaN).
+
+    ``split_tokens`` (a multiple of SPLIT_TOKENS_MULTIPLE): the batch-invariant mode, every
+    split that many tokens at absolute positions of its sequence and merged in split order, so
+    that a sequence's result depends only on its own length, not on the batch's longest
+    sequence or size (which the split-count heuristic follows); num_splits is then ignored."""
     out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
+    if split_tokens is not None and (
+        not isinstance(split_tokens, int)
+        or split_tokens < 1
+        or split_tokens % SPLIT_TOKENS_MULTIPLE
+    ):
+        raise ValueError(
+            f"split_tokens must be a positive multiple of {SPLIT_TOKENS_MULTIPLE}, "
+            f"got {split_tokens!r}"
+        )
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     device = check_devices(
@@ -409,17 +430,21 @@ def decode_attention_triton(
 
     group = num_heads // num_kv_heads
     head_dim_pad = pad_dim(head_dim)
-    if num_splits is None:
-        bound = max_seq_len if max_seq_len else block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(batch, num_kv_heads, bound, num_sms(device))
-    # A hint: more than MAX_FORCED_SPLITS would only grow the merge kernel's register tile.
-    num_splits = min(num_splits, MAX_FORCED_SPLITS)
+    bound = max_seq_len if max_seq_len else block_tables.shape[1] * block_size
+    if split_tokens is not None:
+        num_splits = max(1, triton.cdiv(bound, split_tokens))
+    else:
+        if num_splits is None:
+            num_splits = choose_num_splits(batch, num_kv_heads, bound, num_sms(device))
+        # A hint: more than MAX_FORCED_SPLITS would only grow the merge kernel's register tile.
+        num_splits = min(num_splits, MAX_FORCED_SPLITS)
     block_h = max(16, triton.next_power_of_2(group))
     # fp32 (IEEE dots on CUDA cores) and big heads: smaller tiles, fewer registers (see prefill).
     block_n = 16 if q.dtype == torch.float32 else (64 if head_dim_pad <= 128 else 32)
     check_dot_shape(block_h, block_n, head_dim_pad)
     check_dot_shape(block_h, head_dim_pad, block_n)
-    if num_splits > 1:
+    direct = num_splits == 1 and split_tokens is None  # else always merged: one path for all
+    if not direct:
         part_out = torch.empty(
             batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
         )
@@ -438,6 +463,7 @@ def decode_attention_triton(
         float(scale) * LOG2E,
         num_heads,
         num_splits,
+        split_tokens or 0,
         *attention_strides(q, k_cache, v_cache, out, block_tables),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
@@ -445,13 +471,13 @@ def decode_attention_triton(
         GROUP=group,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
-        DIRECT=num_splits == 1,
+        DIRECT=direct,
         DOT_F32=dot_in_f32(_decode_split_kernel, q.dtype),
         PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )
-    if num_splits > 1:
+    if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             out,
             part_out,

@@ -466,7 +466,9 @@ def _can_mount_tmpfs(workdir: Path) -> bool:
 
 def judge_mismatches(chaos: Chaos) -> None:
     """Each mismatch judged by the oracle (oracle.py): a float32 near-tie becomes "near_tie",
-    reported but not failed; the rest stay "mismatch", with the oracle's reason appended."""
+    reported but not failed, unless the workers are deterministic (the default where the C
+    layers serve, as on the oracle's own engine here): then every mismatch stays one; the
+    oracle's reason is appended."""
     bad = [r for r in chaos.results if r.kind == "mismatch"]
     if not bad:
         return
@@ -480,7 +482,8 @@ def judge_mismatches(chaos: Chaos) -> None:
         key = (r.prompt, r.text)
         if key not in seen:
             prompt = PREFIX + QUESTIONS[r.prompt]
-            seen[key] = classify(llm, prompt, chaos.reference[r.prompt], r.text)
+            exact = llm.engine.model.deterministic
+            seen[key] = classify(llm, prompt, chaos.reference[r.prompt], r.text, exact)
         kind, why = seen[key]
         r.kind = "near_tie" if kind == "near_tie" else "mismatch"
         r.detail = f"{r.detail}; oracle: {why}"

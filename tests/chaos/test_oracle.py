@@ -37,3 +37,10 @@ def test_a_token_changed_part_way_is_judged_where_the_texts_part(llm):
     kind, why = classify(llm, PREFIX + QUESTIONS[6], ref, ref[:-1] + "x")
     assert kind == "wrong" and why.startswith("token "), why
     assert int(why.split()[1].rstrip(":")) >= 1  # not at the first token: where they part
+
+
+def test_a_deterministic_cluster_has_no_near_ties(llm):
+    # exact: the same served text is wrong whatever its gap, and the reason says why
+    ref = _reference(llm, 6)
+    kind, why = classify(llm, PREFIX + QUESTIONS[6], ref, ref[:-1] + "x", exact=True)
+    assert kind == "wrong" and why.endswith("(deterministic: any difference is wrong)"), why

@@ -63,14 +63,23 @@ def solo(model, dtype, schedule):
 
 
 def params(rng: random.Random, n_max=1):
+    """Greedy or seeded, sometimes with penalties, top-k/p, min-p or a regex to match."""
     greedy = rng.random() < 0.5
+    extra = {}
+    if rng.random() < 0.3:
+        extra = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
+    if not greedy and rng.random() < 0.5:
+        extra |= dict(top_k=20, top_p=0.9, min_p=0.05)
+    if rng.random() < 0.2:
+        extra |= dict(structured_outputs={"regex": "[a-z ]{1,12}"})
     return SamplingParams(
         max_tokens=rng.randint(1, 12),
         temperature=0.0 if greedy else 0.9,
         seed=None if greedy else rng.randint(0, 1000),
         n=1 if greedy else rng.randint(1, n_max),
         logprobs=2,
-        ignore_eos=True,
+        ignore_eos="structured_outputs" not in extra,
+        **extra,
     )
 
 
@@ -126,3 +135,29 @@ def test_without_it_the_batch_moves_the_logprobs():
         alone.append(run(e, [(0, ids, sp)])[0])
     together = run(engine(model, budget=64, det=False), schedule)
     assert together != alone
+
+
+def test_a_prefix_loaded_from_the_pool_gives_the_recomputes_bits():
+    # the pool's DRAM tier hands back the KV bits the first run computed; the second run
+    # computes only the tail, in another batch shape, and must give the first run's logprobs
+    from engine.llm import LLM
+
+    model = str(tiny_model("llama"))
+    ids = list(range(2000, 2150))  # 9 full blocks, then 6 tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+
+    def sig(out):
+        c = out.outputs[0]
+        return c.token_ids, c.logprobs
+
+    with LLM(model, dtype="float32", device="cpu", enable_prefix_caching=False) as llm:
+        if not llm.engine.model.deterministic:
+            pytest.skip("the C layers do not apply on this CPU (no vector row dots)")
+        want = sig(llm.generate([ids], sp)[0])
+    with LLM(model, dtype="float32", device="cpu", kv_pool="dram=16MiB") as llm:
+        assert sig(llm.generate([ids], sp)[0]) == want
+        assert llm.engine.connector.flush()
+        assert llm.reset_prefix_cache() > 0
+        again = llm.generate([ids, list(range(5000, 5100))], [sp, sp])[0]
+        assert again.metrics.kv_sources == {"dram": 144}
+        assert sig(again) == want

@@ -195,3 +195,24 @@ def test_random_batches(seed):
     seq_lens = [int(torch.randint(1, 400, (1,), generator=g)) for _ in range(pick([1, 3, 6]))]
     splits = pick([None, 1, 2, 5])
     check(seq_lens, kv_heads * group, kv_heads, head_dim, block_size, dtype, num_splits=splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_split_tokens_make_a_sequence_batch_invariant(dtype):
+    # The batch-invariant mode (docs/determinism.md): with split_tokens every split is that many
+    # tokens at absolute positions, so a sequence's bits do not follow the batch's longest
+    # sequence or size, which the default split count does.
+    lens = [300, 40, 1000, 129]
+    q, k_cache, v_cache, bt, seq_lens = make_batch(lens, 8, 2, 64, 16, dtype)
+    scale = 64**-0.5
+    batched = decode_attention_triton(q, k_cache, v_cache, bt, seq_lens, scale, split_tokens=128)
+    for i in range(len(lens)):
+        alone = decode_attention_triton(
+            q[i : i + 1], k_cache, v_cache, bt[i : i + 1], seq_lens[i : i + 1], scale,
+            split_tokens=128,
+        )  # fmt: skip
+        assert torch.equal(alone[0], batched[i]), i
+    ref = decode_attention_ref(q, k_cache, v_cache, bt, seq_lens, scale)
+    torch.testing.assert_close(batched, ref, **TOL[dtype])
+    with pytest.raises(ValueError, match="split_tokens"):
+        decode_attention_triton(q, k_cache, v_cache, bt, seq_lens, scale, split_tokens=100)

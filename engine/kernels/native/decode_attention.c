@@ -111,6 +111,58 @@ static inline float exp_nonpositive(float x) {
     return p * v.f;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp_nonpositive on 8 lanes (the same steps, in registers). */
+static inline __m256 exp8_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+    const __m256 fi = _mm256_floor_ps(t);
+    const __m256 f = _mm256_sub_ps(t, fi);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* A chunk's softmax numerators in place over its n scores s: s[i] = e^(s[i] - max), with the
+   max in *m and the numerators' sum in *l. A row's bits depend only on its own n scores. */
+static inline void softmax_chunk(float *s, int n, float *m, float *l) {
+    float mx = -INFINITY, sum = 0.f;
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + i));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmx);
+    for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+#endif
+    for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+        _mm256_storeu_ps(s + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    _mm256_storeu_ps(lanes, vsum);
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+#endif
+    for (; i < n; i++) {
+        s[i] = exp_nonpositive(s[i] - mx);
+        sum += s[i];
+    }
+    *m = mx, *l = sum;
+}
+
 /* Portable loops: scores[h][t - t0] = q[h] . k[t], and acc[h] += p[h][t] * v[t]. */
 static void scores_generic(const Args *a, const int32_t *table, int kh, int t0, int t1,
                            const float *q, float *scores) {
@@ -173,19 +225,7 @@ static __attribute__((noinline)) void attend_chunk(const Args *a, int b, int kh0
     if (D == 128) scores_fn = scores_nv16, values_fn = values_nv16;
 #endif
     for (int kh = kh0; kh < kh1; kh++) scores_fn(a, table, kh, t0, t1, q, scores);
-    for (int h = kh0 * G; h < kh1 * G; h++) {
-        float *sh = scores + (size_t)h * CHUNK;
-        float mx = -INFINITY;
-        for (int i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int i = 0; i < n; i++) {
-            sh[i] = exp_nonpositive(sh[i] - mx);
-            sum += sh[i];
-        }
-        m[h] = mx;
-        l[h] = sum;
-    }
+    for (int h = kh0 * G; h < kh1 * G; h++) softmax_chunk(scores + (size_t)h * CHUNK, n, m + h, l + h);
     for (int kh = kh0; kh < kh1; kh++) values_fn(a, table, kh, t0, t1, scores, acc);
 }
 
@@ -389,6 +429,8 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
     const Args a = {dt, heads, kv_heads, dim, block_size, q, k_cache, v_cache, out,
                     block_tables, seq_lens, row_tables, sq_b, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s,
                     sv_h, so_b, so_h, s_bt, scale};
-    if (batch >= 4 * num_threads) return attention_row_blocks(&a, batch, num_threads);
+    /* row blocks where there are enough of them for the team (a prefill chunk), else items of
+       (row, chunk): a decode batch of 16 is one block, which split by KV heads balanced badly */
+    if (batch >= 2 * ROW_BLOCK_ROWS * num_threads) return attention_row_blocks(&a, batch, num_threads);
     return attention_split(&a, batch, num_threads);
 }

@@ -22,6 +22,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -110,14 +111,17 @@ static inline __attribute__((always_inline)) void gemm_rows(int wt, const float 
     int64_t m = 0;
     for (; m + GEMM_MR <= M; m += GEMM_MR)
         gemm_tile(wt, x + m * ldx, ldx, GEMM_MR, panel, K, y + m * ldy, ldy, cols, pf);
+#define GEMM_REST(R) \
+    gemm_tile(wt, x + m * ldx, ldx, R, panel, K, y + m * ldy, ldy, cols, pf)
     switch (M - m) {
-    case 1: gemm_tile(wt, x + m * ldx, ldx, 1, panel, K, y + m * ldy, ldy, cols, pf); break;
-    case 2: gemm_tile(wt, x + m * ldx, ldx, 2, panel, K, y + m * ldy, ldy, cols, pf); break;
-    case 3: gemm_tile(wt, x + m * ldx, ldx, 3, panel, K, y + m * ldy, ldy, cols, pf); break;
-    case 4: gemm_tile(wt, x + m * ldx, ldx, 4, panel, K, y + m * ldy, ldy, cols, pf); break;
-    case 5: gemm_tile(wt, x + m * ldx, ldx, 5, panel, K, y + m * ldy, ldy, cols, pf); break;
+    case 1: GEMM_REST(1); break;
+    case 2: GEMM_REST(2); break;
+    case 3: GEMM_REST(3); break;
+    case 4: GEMM_REST(4); break;
+    case 5: GEMM_REST(5); break;
     default: break;
     }
+#undef GEMM_REST
 }
 
 static void gemm_rows_wt(int wt, const float *x, int64_t ldx, int64_t M, const void *panel,
@@ -131,28 +135,50 @@ static void gemm_rows_wt(int wt, const float *x, int64_t ldx, int64_t M, const v
 
 /* y[m * ldy + n] = sum_k x[m * ldx + k] * W[n][k] in the one order above, for m < M, n < N;
    wp W's panels (weight code wt, a float code), x float32. Work items: at a few rows, a few
-   panels for every row (the weights stream once); beyond, GEMM_MC rows against a few panels.
-   Which thread takes an item never changes a bit. */
+   panels for every row (the weights stream once, widened in registers); beyond, GEMM_MC rows
+   against a few panels, each 16-bit panel widened once into a float32 copy in the thread's
+   cache that all the item's tiles read (exact, so the same bits: the widening took shuffle
+   slots the FMAs need). Which thread takes an item never changes a bit. */
 static void gemm_packed(int wt, const float *x, int64_t ldx, int64_t M, int64_t K,
                         const void *wp, int64_t N, float *y, int64_t ldy, int threads) {
     if (M <= 0 || N <= 0) return;
     const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
     const int64_t pstride = K * GEMM_NR * gemm_esize(wt); /* bytes per panel */
     const int64_t pgroups = (panels + GEMM_PANELS_PER_ITEM - 1) / GEMM_PANELS_PER_ITEM;
-    const int64_t mblocks = M <= GEMM_FEW_ROWS ? 1 : (M + GEMM_MC - 1) / GEMM_MC;
-    const int64_t mc = M <= GEMM_FEW_ROWS ? M : GEMM_MC;
-    const int pf = M <= 2;
+    const int few = M <= GEMM_FEW_ROWS;
+    const int64_t mblocks = few ? 1 : (M + GEMM_MC - 1) / GEMM_MC;
+    const int64_t mc = few ? M : GEMM_MC;
+    const int pf = M <= 2, widen = !few && wt != DT_F32;
     /* items: panel group major, so that a thread's consecutive items share their panels */
-    STEAL_FOR(item, threads, pgroups * mblocks) {
-        const int64_t g = item / mblocks, mb = item % mblocks;
-        const int64_t m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
-        for (int64_t p = g * GEMM_PANELS_PER_ITEM; p < (g + 1) * GEMM_PANELS_PER_ITEM && p < panels;
-             p++) {
-            const int64_t n0 = p * GEMM_NR;
-            const int cols = N - n0 < GEMM_NR ? (int)(N - n0) : GEMM_NR;
-            gemm_rows_wt(wt, x + m0 * ldx, ldx, m1 - m0, (const char *)wp + p * pstride, K,
-                         y + m0 * ldy + n0, ldy, cols, pf);
+    StealRange steal_ranges_[STEAL_MAX_PARTS];
+    const int parts = steal_init(steal_ranges_, threads, pgroups * mblocks);
+#pragma omp parallel num_threads(parts)
+    {
+        StealCursor cur = steal_cursor(parts);
+        float *wide = widen ? malloc(sizeof(float) * (size_t)(K > 0 ? K : 1) * GEMM_NR) : NULL;
+        int64_t wide_panel = -1;
+        for (int64_t item; (item = steal_next(steal_ranges_, &cur)) >= 0;) {
+            const int64_t g = item / mblocks, mb = item % mblocks;
+            const int64_t m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
+            for (int64_t p = g * GEMM_PANELS_PER_ITEM;
+                 p < (g + 1) * GEMM_PANELS_PER_ITEM && p < panels; p++) {
+                const int64_t n0 = p * GEMM_NR;
+                const int cols = N - n0 < GEMM_NR ? (int)(N - n0) : GEMM_NR;
+                const char *panel = (const char *)wp + p * pstride;
+                if (wide) {
+                    if (wide_panel != p) {
+                        for (int64_t i = 0; i < K * GEMM_NR; i++) wide[i] = load_f32(wt, panel, i);
+                        wide_panel = p;
+                    }
+                    gemm_rows_wt(DT_F32, x + m0 * ldx, ldx, m1 - m0, wide, K, y + m0 * ldy + n0,
+                                 ldy, cols, pf);
+                } else {
+                    gemm_rows_wt(wt, x + m0 * ldx, ldx, m1 - m0, panel, K, y + m0 * ldy + n0, ldy,
+                                 cols, pf);
+                }
+            }
         }
+        free(wide);
     }
 }
 
