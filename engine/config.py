@@ -22,27 +22,114 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 QUANTIZATIONS = ("int8",)
 
 
+def parse_rope_scaling(text: str) -> RopeScaling:
+    """``--rope-scaling``'s JSON object (a Hugging Face ``rope_scaling``); ValueError naming the
+    field. ``original_max_position_embeddings`` is required here: the override does not know the
+    model's length."""
+    import json
+
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"rope_scaling: not a JSON object ({e.msg})") from None
+    if not isinstance(params, dict):
+        raise ValueError("rope_scaling: not a JSON object")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default" and "original_max_position_embeddings" not in params:
+        raise ValueError("rope_scaling: give original_max_position_embeddings (the model's length)")
+    return RopeScaling.from_dict(params, 1, "rope_scaling")
+
+
 def _positive(name: str, value: int | float) -> None:
     if value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
+ROPE_KINDS = ("default", "linear", "llama3", "dynamic", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary scaling. ``kind`` is "default", "linear" or "llama3" (Llama 3.1 style)."""
+    """Rotary scaling, as Hugging Face configs name it (``rope_type``): "default", "linear"
+    (positions divided by ``factor``), "llama3" (Llama 3.1: low frequencies divided, high ones
+    kept, blended between), "dynamic" (NTK-aware: the base raised so that
+    ``original_max_position_embeddings * factor`` positions fit; fixed at that length, as vLLM
+    does, since a base that followed each sequence's length would make its cached keys stale)
+    and "yarn" (YaRN: frequencies interpolated by wavelength between ``beta_fast`` and
+    ``beta_slow`` rotations, and cos/sin scaled by ``attention_factor``, by default
+    0.1 ln(factor) + 1). engine/layers/rotary.py computes them."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # yarn; None: 0.1 ln(factor) + 1
+    truncate: bool = True  # yarn: the correction range rounded to whole dimensions
 
     def __post_init__(self) -> None:
-        if self.kind not in ("default", "linear", "llama3"):
+        if self.kind not in ROPE_KINDS:
             raise ValueError(
-                f"rope_scaling.kind must be one of default, linear, llama3, got {self.kind!r}"
+                f"rope_scaling.kind must be one of {', '.join(ROPE_KINDS)}, got {self.kind!r}"
             )
         _positive("rope_scaling.factor", self.factor)
+        _positive(
+            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
+        )
+
+    @property
+    def context(self) -> int | None:
+        """The positions a scaling that stretches the context covers (original x factor), or
+        None for default and llama3 (whose models state their own length)."""
+        if self.kind in ("linear", "dynamic", "yarn"):
+            return int(self.original_max_position_embeddings * self.factor)
+        return None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any], model_max: int, where: str) -> RopeScaling:
+        """From a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (``rope_type`` or
+        ``type``), ``original_max_position_embeddings`` defaulting to ``model_max`` for yarn and
+        dynamic; ValueError
+        naming ``where`` and the field for a kind or value it cannot take."""
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ROPE_KINDS:
+            raise ValueError(
+                f"{where}: rope scaling {kind!r} is not supported ({', '.join(ROPE_KINDS)})"
+            )
+        if kind == "default":
+            return cls()
+        if "factor" not in params:
+            raise ValueError(f"{where}: rope scaling {kind!r} needs a factor")
+        known = {
+            "rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+            "truncate", "rope_theta", "mscale", "mscale_all_dim", "partial_rotary_factor",
+        }  # fmt: skip
+        odd = sorted(set(params) - known)
+        if odd:
+            raise ValueError(f"{where}: unknown rope scaling field {odd[0]!r}")
+        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError(f"{where}: partial rotary (partial_rotary_factor) is not supported")
+        attn = params.get("attention_factor")
+        return cls(
+            kind=kind,
+            factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            # yarn and dynamic default to the model's length, as Hugging Face does
+            original_max_position_embeddings=int(
+                params.get(
+                    "original_max_position_embeddings",
+                    model_max if kind in ("yarn", "dynamic") else 8192,
+                )
+            ),
+            beta_fast=float(params.get("beta_fast", 32.0)),
+            beta_slow=float(params.get("beta_slow", 1.0)),
+            attention_factor=None if attn is None else float(attn),
+            truncate=bool(params.get("truncate", True)),
+        )
 
 
 @dataclass(frozen=True)
@@ -255,7 +342,13 @@ class EngineConfig:
     # bf16 (cpu_isa.CpuIsa.onednn_packs: AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere the
     # plain weights serve whatever this says.
     pack_weights: bool = True
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # None: the model's context (max_position_embeddings, or what rope_scaling stretches it to).
+    # Beyond it the engine serves with a warning: positions the model never saw (docs/serving.md).
+    max_model_len: int | None = None
+    # Override the model's rotary scaling: a JSON object as Hugging Face configs write it, e.g.
+    # '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8192}' (kinds:
+    # RopeScaling). Parsed into ``rope_override``.
+    rope_scaling: str | None = None
     # Keep a GGUF model's dequantized weights in a file (engine/model/weight_cache.py) and map it on
     # later starts; ENGINE_WEIGHT_CACHE=0 turns it off too.
     weight_cache: bool = True
@@ -274,6 +367,8 @@ class EngineConfig:
     stage: PipelineStage = WHOLE_MODEL
     # kv_pool parsed, by __post_init__ (None without a pool): what the engine builds the pool from.
     pool_spec: PoolSpec | None = field(default=None, init=False, repr=False, compare=False)
+    # rope_scaling parsed, by __post_init__ (None: the model's own)
+    rope_override: RopeScaling | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, PipelineStage):
@@ -285,6 +380,8 @@ class EngineConfig:
             )
         if self.kv_pool is not None:  # ValueError naming the bad part
             object.__setattr__(self, "pool_spec", parse_pool_spec(self.kv_pool))
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_override", parse_rope_scaling(self.rope_scaling))
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, float16, bfloat16, got {self.dtype!r}"

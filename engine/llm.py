@@ -32,6 +32,7 @@ class LLM:
         compile: bool = False,
         deterministic: bool = True,  # batch-invariant on the CPU (EngineConfig.deterministic)
         max_model_len: int | None = None,
+        rope_scaling: str | None = None,  # JSON, as Hugging Face writes it (EngineConfig)
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,  # None: sized for the model (config.py)
@@ -52,6 +53,7 @@ class LLM:
             compile=compile,
             deterministic=deterministic,
             max_model_len=max_model_len,
+            rope_scaling=rope_scaling,
             seed=seed,
             cache=CacheConfig(
                 block_size=block_size,

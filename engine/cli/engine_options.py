@@ -78,7 +78,27 @@ ENGINE_FLAGS = (
             "(no effect on CPU, which never uses graphs)",
         },
     ),
-    EngineFlag("--max-model-len", "max_model_len", None, {"type": int}),
+    EngineFlag(
+        "--max-model-len",
+        "max_model_len",
+        None,
+        {
+            "type": int,
+            "help": "the longest prompt + output served (default: the model's context; past it "
+            "with a warning)",
+        },
+    ),
+    EngineFlag(
+        "--rope-scaling",
+        "rope_scaling",
+        None,
+        {
+            "metavar": "JSON",
+            "help": "override the model's rotary scaling, e.g. "
+            '\'{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8192}\' '
+            "(kinds: linear, dynamic, yarn, llama3)",
+        },
+    ),
     EngineFlag(
         "--weight-cache",
         "weight_cache",

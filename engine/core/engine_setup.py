@@ -95,6 +95,8 @@ def build_parts(
         show_progress=config.show_progress,
         use_cache=config.weight_cache,
         stage=config.stage,
+        rope_override=config.rope_override,
+        max_model_len=config.max_model_len,
     )
     model = built.model
     # The weights as they will be held (int8, or 16-bit under float32 activations) before

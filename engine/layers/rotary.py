@@ -1,4 +1,6 @@
-"""Rotary position embedding (rotate-half convention) with default, linear and llama3 scaling.
+"""Rotary position embedding (rotate-half convention) with default, linear, llama3, dynamic
+(NTK-aware) and YaRN scaling (config.RopeScaling says what each does; the frequencies follow
+Hugging Face's modeling_rope_utils, tests/layers/test_rotary.py holds them to it).
 
 cos/sin are tabulated once (float32) for every position up to max_position and indexed by each
 token's absolute position, so prefill chunks and decodes of any offsets share one path. The rotation
@@ -15,7 +17,8 @@ from engine.config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     if scaling.kind == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling.kind == "llama3":
@@ -31,7 +34,43 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif scaling.kind == "dynamic":
+        # NTK-aware: the base raised for original x factor positions, once (not per length)
+        f = scaling.factor
+        base = theta * (f * f - (f - 1)) ** (head_dim / (head_dim - 2))
+        inv_freq = 1.0 / (base**exponents)
+    elif scaling.kind == "yarn":
+        inv_freq = _yarn_frequencies(head_dim, theta, scaling)
     return inv_freq
+
+
+def _yarn_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: dimensions that turn more than beta_fast times over the original context keep their
+    frequency, those under beta_slow are divided by factor, a linear ramp between."""
+    old_len = scaling.original_max_position_embeddings
+
+    def dim_for(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_for(scaling.beta_fast), dim_for(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def attention_factor(scaling: RopeScaling) -> float:
+    """What cos and sin are multiplied by: YaRN's 0.1 ln(factor) + 1 (or the given value), or 1."""
+    if scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -48,11 +87,12 @@ class RotaryEmbedding(torch.nn.Module):
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
+        scale = attention_factor(scaling)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
         # sin with its first half negated: x * cos + swap_halves(x) * sin_signed is the
         # rotate-half form (-x2 * s == x2 * -s exactly) with one kernel (cat) fewer.
         half = head_dim // 2
-        sin = emb.sin()
+        sin = emb.sin() * scale
         self.register_buffer(
             "sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False
         )

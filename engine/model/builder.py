@@ -8,6 +8,7 @@ a float copy is what saves the time. A Hugging Face directory's safetensors are 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,8 +17,9 @@ from typing import NamedTuple
 import torch
 
 from engine import envs
-from engine.config import ModelConfig
+from engine.config import ModelConfig, RopeScaling
 from engine.model import weight_cache
+from engine.model.context import extend_context
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import open_checkpoint, read_weights
 from engine.model.tokenizer import Tokenizer
@@ -42,14 +44,23 @@ def build_model(
     show_progress: bool = False,
     use_cache: bool = True,
     stage: PipelineStage = WHOLE_MODEL,
+    rope_override: RopeScaling | None = None,
+    max_model_len: int | None = None,
 ) -> BuiltModel:
     """``model``: "default", a GGUF file or a model directory (see model_loader.load_model).
     ``use_cache=False`` or ENGINE_WEIGHT_CACHE=0 reads the checkpoint every time.
 
     ``stage``: one stage of a chunked pipeline (engine/pipeline_stage.py): only its weights are read
-    from the checkpoint, and it has a weight cache file of its own (holding only them)."""
+    from the checkpoint, and it has a weight cache file of its own (holding only them).
+
+    ``rope_override`` and ``max_model_len``: the positions to serve (model/context.py); the
+    returned config is the extended one."""
     t0 = time.perf_counter()
     path, checkpoint = open_checkpoint(model)
+    config, warning = extend_context(checkpoint.config, rope_override, max_model_len)
+    if warning:
+        logger.warning(warning)
+    checkpoint = dataclasses.replace(checkpoint, config=config)
     net = LlamaForCausalLM(checkpoint.config, dtype, device, stage)
     directory = envs.weight_cache_dir() if use_cache and os.path.isfile(path) else None
     file = key = None

@@ -236,8 +236,18 @@ def _rope_scaling(
         return llama3_scaling_from_factors(np.asarray(freqs, np.float64), theta, head_dim, path)
     if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
         return RopeScaling(kind="linear", factor=float(factor))
+    if kind == "yarn":
+        context = meta.get(f"{arch}.context_length", 8192)
+        original = meta.get(f"{arch}.rope.scaling.original_context_length", context)
+        return RopeScaling(
+            kind="yarn",
+            factor=float(factor),
+            original_max_position_embeddings=int(original),
+            beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        )
     if kind != "none":
-        raise ValueError(f"{path}: rope scaling {kind!r} is not supported (linear, llama3)")
+        raise ValueError(f"{path}: rope scaling {kind!r} is not supported (linear, yarn, llama3)")
     return RopeScaling()
 
 

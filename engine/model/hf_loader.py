@@ -116,22 +116,8 @@ def rope_from_hf(cfg: Mapping[str, Any], path: str) -> tuple[float, RopeScaling]
     ``rope_parameters`` (which holds rope_theta too)."""
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, RopeScaling()
-    if kind == "linear":
-        return theta, RopeScaling(kind="linear", factor=float(params["factor"]))
-    if kind == "llama3":
-        return theta, RopeScaling(
-            kind="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings", 8192)
-            ),
-        )
-    raise ValueError(f"{path}: rope scaling {kind!r} is not supported (default, linear, llama3)")
+    model_max = int(cfg.get("max_position_embeddings", 8192))
+    return theta, RopeScaling.from_dict(params, model_max, path)
 
 
 def safetensors_sources(directory: str) -> tuple[dict[str, TensorSource], str]:

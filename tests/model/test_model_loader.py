@@ -141,8 +141,10 @@ def test_config_transformers4_keys():
     llama3 = dict(rope_type="llama3", factor=8.0, original_max_position_embeddings=8192)
     config = config_from_hf({**cfg, "rope_scaling": llama3}, "config.json")
     assert config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
-    with pytest.raises(ValueError, match=r"config\.json: rope scaling 'yarn' is not supported"):
-        config_from_hf({**cfg, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "config.json")
+    yarn = config_from_hf({**cfg, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "config.json")
+    assert yarn.rope_scaling == RopeScaling("yarn", 4.0, original_max_position_embeddings=512)
+    with pytest.raises(ValueError, match=r"config\.json: rope scaling 'longrope' is not supported"):
+        config_from_hf({**cfg, "rope_scaling": {"type": "longrope", "factor": 4.0}}, "config.json")
 
 
 def copy_model(kind: str, tmp_path: Path) -> Path:

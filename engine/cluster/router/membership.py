@@ -293,10 +293,12 @@ class Membership:
                 self.gone(w, "dead")
 
     def _refresh_max_model_len(self) -> None:
-        """The smallest of the live workers': one that left no longer limits the cluster."""
+        """The smallest of the live workers' (the model's own while none is up): one that left
+        no longer limits the cluster, and workers that serve past the model's context
+        (``--rope-scaling``, ``--max-model-len``: model/context.py) set the cluster's."""
         if self.cfg.max_model_len is None:
             lens = [w.max_model_len for w in self.workers.values() if w.state == "up"]
-            self.max_model_len = min([*lens, self._model_max_len])
+            self.max_model_len = min(lens) if lens else self._model_max_len
 
     # -- views ------------------------------------------------------------------------------
 

@@ -225,7 +225,8 @@ static __attribute__((noinline)) void attend_chunk(const Args *a, int b, int kh0
     if (D == 128) scores_fn = scores_nv16, values_fn = values_nv16;
 #endif
     for (int kh = kh0; kh < kh1; kh++) scores_fn(a, table, kh, t0, t1, q, scores);
-    for (int h = kh0 * G; h < kh1 * G; h++) softmax_chunk(scores + (size_t)h * CHUNK, n, m + h, l + h);
+    for (int h = kh0 * G; h < kh1 * G; h++)
+        softmax_chunk(scores + (size_t)h * CHUNK, n, m + h, l + h);
     for (int kh = kh0; kh < kh1; kh++) values_fn(a, table, kh, t0, t1, scores, acc);
 }
 
@@ -431,6 +432,7 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
                     sv_h, so_b, so_h, s_bt, scale};
     /* row blocks where there are enough of them for the team (a prefill chunk), else items of
        (row, chunk): a decode batch of 16 is one block, which split by KV heads balanced badly */
-    if (batch >= 2 * ROW_BLOCK_ROWS * num_threads) return attention_row_blocks(&a, batch, num_threads);
+    if (batch >= 2 * ROW_BLOCK_ROWS * num_threads)
+        return attention_row_blocks(&a, batch, num_threads);
     return attention_split(&a, batch, num_threads);
 }
