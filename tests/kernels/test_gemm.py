@@ -93,3 +93,37 @@ def test_bad_shapes_are_refused_by_name():
         gemm_native(x, pack_panels(w)[:, :4].contiguous(), 20)
     with pytest.raises(ValueError, match="packed"):
         gemm_native(x, pack_panels(w), 40)
+
+
+@needs_cc
+def test_the_plain_c_path_gives_the_avx2_paths_bits(tmp_path):
+    # gemm.h's plain loops call fmaf in the kernel's order: built for x86-64 without AVX2 (a CPU
+    # below the AVX2 class), the GEMM gives the bits of the loaded (vector) build
+    import ctypes
+    import platform
+    import subprocess
+
+    from engine.kernels.native import _HERE, DTYPE_CODES, FLAGS
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the plain build's target is x86-64")
+    lib_path = tmp_path / "plain.so"
+    subprocess.run(
+        [native.compiler(), *FLAGS, "-march=x86-64", str(_HERE / "gemm.c"), "-o", str(lib_path),
+         "-lm"],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    plain = ctypes.CDLL(str(lib_path))
+    plain.engine_gemm_path.restype = ctypes.c_char_p
+    assert plain.engine_gemm_path() == b"c"
+    x, w = inputs(37, 300, 9, torch.bfloat16)
+    p = pack_panels(w)
+    y = torch.empty(9, 37)
+    i64 = ctypes.c_int64
+    rc = plain.engine_gemm(
+        DTYPE_CODES[x.dtype], DTYPE_CODES[p.dtype], ctypes.c_void_p(x.data_ptr()),
+        ctypes.c_void_p(p.data_ptr()), ctypes.c_void_p(y.data_ptr()), i64(9), i64(37), i64(300),
+        i64(300), i64(37), 2,
+    )  # fmt: skip
+    assert rc == 0
+    assert torch.equal(y, gemm_native(x, p, 37))

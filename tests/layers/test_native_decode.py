@@ -45,6 +45,19 @@ def both_paths(model, seq_lens, seed=0, hook=None, round_to=None):
     return out[0], out[1], cache.kv, meta
 
 
+def count_native_rows(monkeypatch) -> list[int]:
+    """The row count of every C layer call from now on (NativeDecoder.run wrapped)."""
+    calls: list[int] = []
+    real_run = NativeDecoder.run
+
+    def counting_run(self, hidden, *a):
+        calls.append(hidden.shape[0])
+        return real_run(self, hidden, *a)
+
+    monkeypatch.setattr(NativeDecoder, "run", counting_run)
+    return calls
+
+
 @pytest.mark.parametrize(
     "shape",
     [
@@ -256,14 +269,7 @@ def test_bad_slots_positions_and_tables_raise_and_write_nothing():
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_without_determinism_the_engine_uses_them_for_small_decode_steps_only(monkeypatch, dtype):
-    calls = []
-    real_run = NativeDecoder.run
-
-    def counting_run(self, hidden, *a):
-        calls.append(hidden.shape[0])
-        return real_run(self, hidden, *a)
-
-    monkeypatch.setattr(NativeDecoder, "run", counting_run)
+    calls = count_native_rows(monkeypatch)
     llm = LLM.from_config(
         EngineConfig(
             model=str(tiny_model("llama")),
@@ -296,14 +302,7 @@ def test_without_determinism_the_engine_uses_them_for_small_decode_steps_only(mo
 def test_deterministic_engines_run_every_step_through_them(monkeypatch, dtype):
     # the default: prefill chunks, mixed steps and batches past MAX_ROWS all take the C layers,
     # and the logits come from the fixed-order GEMM (no oneDNN, no float32 refinement)
-    calls = []
-    real_run = NativeDecoder.run
-
-    def counting_run(self, hidden, *a):
-        calls.append(hidden.shape[0])
-        return real_run(self, hidden, *a)
-
-    monkeypatch.setattr(NativeDecoder, "run", counting_run)
+    calls = count_native_rows(monkeypatch)
     llm = LLM.from_config(
         EngineConfig(
             model=str(tiny_model("llama")),
@@ -370,14 +369,7 @@ def test_float32_prefill_then_decode_steps_match_the_torch_layers(float32_llm, m
     ids = float32_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     assert len(ids) > 30
     want = engine.prompt_logits(ids)
-    calls = []
-    real_run = NativeDecoder.run
-
-    def counting_run(self, hidden, *a):
-        calls.append(hidden.shape[0])
-        return real_run(self, hidden, *a)
-
-    monkeypatch.setattr(NativeDecoder, "run", counting_run)
+    calls = count_native_rows(monkeypatch)
     req = Request("prefill-then-decode", ids, SamplingParams(), None)
     got = []
     try:

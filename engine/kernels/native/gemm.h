@@ -24,16 +24,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
+
+#include "dtypes.h"
+#include "gemv_avx2.h" /* GEMV_AVX2 (AVX2, FMA, F16C) and widen8_w: weights widened exactly */
+#include "steal.h"
+
+#if defined(GEMV_AVX2)
 #define GEMM_AVX2 1
 #define GEMM_PATH "avx2"
 #else
 #define GEMM_PATH "c"
 #endif
-
-#include "dtypes.h"
-#include "steal.h"
 
 #define GEMM_NR 16 /* weight rows per panel: two 8-lane registers */
 #define GEMM_MR 6  /* activation rows per tile: 12 accumulators + 2 weights + 1 broadcast */
@@ -45,19 +46,6 @@
 #define GEMM_PF_BYTES 2048 /* streaming a panel at a few rows: prefetch this far ahead */
 
 static inline int64_t gemm_esize(int wt) { return wt == DT_F32 ? 4 : 2; }
-
-#if defined(GEMM_AVX2)
-/* 8 weights of code wt at element i of p, widened exactly to float32. */
-static inline __attribute__((always_inline)) __m256 gemm_load8(int wt, const void *p, int64_t i) {
-    if (wt == DT_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))),
-            16));
-    if (wt == DT_F16)
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    return _mm256_loadu_ps((const float *)p + i);
-}
-#endif
 
 /* y[r * ldy + j] for r < R, j < cols (<= GEMM_NR): rows x[r * ldx ...] against one panel. R a
    constant once inlined (the accumulators then live in registers). */
@@ -72,8 +60,8 @@ static inline __attribute__((always_inline)) void gemm_tile(int wt, const float 
     const int64_t row = GEMM_NR * gemm_esize(wt);
     for (int64_t k = 0; k < K; k++) {
         if (pf && (k & 1) == 0) __builtin_prefetch(pb + k * row + GEMM_PF_BYTES, 0, 0);
-        const __m256 b0 = gemm_load8(wt, panel, k * GEMM_NR);
-        const __m256 b1 = gemm_load8(wt, panel, k * GEMM_NR + 8);
+        const __m256 b0 = widen8_w(wt, panel, k * GEMM_NR);
+        const __m256 b1 = widen8_w(wt, panel, k * GEMM_NR + 8);
         for (int r = 0; r < R; r++) {
             const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
             acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
