@@ -22,6 +22,27 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 QUANTIZATIONS = ("int8",)
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
+KV_CACHE_DTYPE_ALIASES = {
+    "fp8": "int8",  # vLLM's name for a 1-byte cache
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+}
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    """The canonical name of a ``kv_cache_dtype``; ValueError naming the field and the choices."""
+    canon = KV_CACHE_DTYPE_ALIASES.get(name, name)
+    if canon not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (fp8 means int8), "
+            f"got {name!r}"
+        )
+    return canon
+
+
 def parse_rope_scaling(text: str) -> RopeScaling:
     """``--rope-scaling``'s JSON object (a Hugging Face ``rope_scaling``); ValueError naming the
     field. ``original_max_position_embeddings`` is required here: the override does not know the
@@ -319,6 +340,10 @@ class EngineConfig:
     # bf16 in registers (AVX2, AVX-512): bfloat16 weights, float32 activations (cpu_isa
     # auto_weight_dtype). A 16-bit weight_dtype other than dtype takes dtype float32.
     weight_dtype: str = "auto"
+    # The KV cache's element type (vLLM's --kv-cache-dtype): auto is the activations' dtype;
+    # bfloat16, float16, float32 whatever the activations; int8 a row of int8 values per token
+    # and KV head with its float16 scale (engine/kvcache/kv_dtype.py; "fp8" means int8; CPU only).
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     # "int8": weight-only int8 (per-output-channel scales) for the linear layers and the
     # embedding / LM head; activations, norms, KV cache and the scales stay in ``dtype`` (any).
@@ -401,6 +426,7 @@ class EngineConfig:
                 f"weight_dtype {self.weight_dtype} with dtype {self.dtype}: weights other than "
                 "the dtype's own are 16-bit ones under dtype float32"
             )
+        object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len is not None:

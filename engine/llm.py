@@ -27,6 +27,7 @@ class LLM:
         *,
         dtype: str = "auto",
         weight_dtype: str = "auto",  # the float weights' dtype (EngineConfig.weight_dtype)
+        kv_cache_dtype: str = "auto",  # the KV cache's (EngineConfig.kv_cache_dtype)
         device: str = "auto",
         quantization: str | None = None,
         compile: bool = False,
@@ -48,6 +49,7 @@ class LLM:
             model=model,
             dtype=dtype,
             weight_dtype=weight_dtype,
+            kv_cache_dtype=kv_cache_dtype,
             device=device,
             quantization=quantization,
             compile=compile,

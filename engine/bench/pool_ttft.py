@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("ttft", help="TTFT of a long prompt loaded from DRAM / SSD vs recomputed")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--kv-cache-dtypes", default="auto", help="comma list of --kv-cache-dtype values"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiers", default="dram,ssd")
     p.add_argument(
@@ -57,13 +60,17 @@ def ttft(out) -> float:
     return m.first_token_time - m.arrival_time
 
 
-def measure(tier: str, dtype: str, prompt_len: int, repeats: int, ssd_dir: str) -> dict:
+def measure(
+    tier: str, dtype: str, prompt_len: int, repeats: int, ssd_dir: str, kv_dtype: str = "auto"
+) -> dict:
     """Median TTFT (s) recomputed and loaded from ``tier``, and the tokens loaded."""
     spec = "dram=2GiB" if tier == "dram" else f"ssd={ssd_dir}:4GiB"
     num_blocks = (prompt_len // 16 + 8) * 2
     cold, warm, loaded = [], [], []
     rng = random.Random(f"{tier}-{dtype}")
-    with LLM(dtype=dtype, device="cpu", num_blocks=num_blocks, kv_pool=spec) as llm:
+    with LLM(
+        dtype=dtype, device="cpu", num_blocks=num_blocks, kv_pool=spec, kv_cache_dtype=kv_dtype
+    ) as llm:
         vocab = llm.engine.model_config.vocab_size
         llm.generate(list(range(100, 164)), ONE_TOKEN)  # warm-up (allocator, threads)
         for _ in range(repeats):
@@ -91,29 +98,31 @@ def cmd_ttft(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     tiers = [t for t in args.tiers.split(",") if t]
     rows = []
-    for dtype in args.dtypes.split(","):
+    combos = [(d, k) for d in args.dtypes.split(",") for k in args.kv_cache_dtypes.split(",")]
+    for dtype, kv in combos:
         for tier in tiers:
             with tempfile.TemporaryDirectory(dir=args.ssd_dir) as d:
                 t0 = time.perf_counter()
-                r = measure(tier, dtype, args.prompt_len, args.repeats, d)
-                r.update(dtype=dtype, tier=tier, wall_s=time.perf_counter() - t0)
+                r = measure(tier, dtype, args.prompt_len, args.repeats, d, kv)
+                r.update(dtype=dtype, kv=kv, tier=tier, wall_s=time.perf_counter() - t0)
                 rows.append(r)
                 print(
-                    f"  {dtype:9} {tier:5} recompute {r['recompute_s'] * 1e3:8.1f} ms  "
+                    f"  {dtype:9} kv {kv:8} {tier:5} recompute {r['recompute_s'] * 1e3:8.1f} ms  "
                     f"loaded {r['loaded_s'] * 1e3:7.1f} ms  ({r['loaded_tokens']} tokens)",
                     flush=True,
                 )
     target = {"dram": 20.0, "ssd": 8.0}
     print(f"\nTTFT of a {args.prompt_len}-token prompt, medians of {args.repeats} (CPU)")
     print(
-        "| dtype | tier | tokens loaded | recompute TTFT | loaded TTFT | speedup | target (fp32) |"
+        "| dtype | KV cache | tier | tokens loaded | recompute TTFT | loaded TTFT | speedup "
+        "| target (fp32) |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         speed = r["recompute_s"] / r["loaded_s"]
         tgt = f">= {target[r['tier']]:.0f}x" if r["dtype"] == "float32" else ""
         print(
-            f"| {r['dtype']} | {r['tier']} | {r['loaded_tokens']} | "
+            f"| {r['dtype']} | {r['kv']} | {r['tier']} | {r['loaded_tokens']} | "
             f"{r['recompute_s'] * 1e3:.0f} ms | {r['loaded_s'] * 1e3:.0f} ms | "
             f"{speed:.1f}x | {tgt} |"
         )

@@ -42,6 +42,16 @@ ENGINE_FLAGS = (
             "dots widen bf16 (AVX2, AVX-512 without BF16); a 16-bit one with --dtype float32",
         },
     ),
+    EngineFlag(
+        "--kv-cache-dtype",
+        "kv_cache_dtype",
+        "auto",
+        {
+            "choices": ["auto", "bfloat16", "float16", "float32", "int8", "fp8"],
+            "help": "the KV cache's element type: auto is the activations'; int8 keeps each "
+            "token's row of each KV head as int8 with its scale (fp8 means int8; CPU only)",
+        },
+    ),
     EngineFlag("--device", "device", "auto"),
     EngineFlag(
         "--quantization",

@@ -50,12 +50,14 @@ def plan_cache(
     device: torch.device,
     baseline: MemoryBaseline | None = None,
     num_layers: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> CachePlan:
     """The cache's size from the config, the model and the memory there is (on CUDA measured
     now, after the weights loaded, against ``baseline``, taken before: see kv_budget.py);
     ValueError when ``max_model_len`` exceeds the model's positions or the cache would be too
     small. Logs what it chose and what it lowered. ``num_layers``: the layers the cache holds
-    (by default the model's; a pipeline stage's own), which a block's bytes count."""
+    (by default the model's; a pipeline stage's own), which a block's bytes count; ``kv_dtype``:
+    the cache's element type (by default the activations' ``dtype``)."""
     max_len = config.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         raise ValueError(
@@ -63,7 +65,7 @@ def plan_cache(
             f"({model.max_position_embeddings})"
         )
     cc = config.cache
-    per_block = bytes_per_block(model, cc.block_size, dtype, num_layers)
+    per_block = bytes_per_block(model, cc.block_size, kv_dtype or dtype, num_layers)
     given = config.max_model_len is not None
     if cc.num_blocks is not None:
         num_blocks = cc.num_blocks

@@ -34,6 +34,23 @@ def resolved_dtype(config: EngineConfig) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
+def resolved_kv_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV cache's dtype (``kv_cache_dtype``; auto: the activations'). Another dtype than
+    the activations' is read by the C kernels and the torch references only: ValueError on CUDA,
+    whose Triton kernels (and their ahead-of-time table) take the activations' dtype."""
+    from engine.kvcache.kv_dtype import resolve_kv_dtype
+
+    activations = resolved_dtype(config)
+    dtype = resolve_kv_dtype(config.kv_cache_dtype, activations)
+    if dtype != activations and resolved_device(config).type == "cuda":
+        name = str(activations).removeprefix("torch.")
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype} on CUDA: the Triton kernels read a cache "
+            f"of the activations' dtype ({name}) only for now; use auto or {name}"
+        )
+    return dtype
+
+
 def resolved_weight_dtype(config: EngineConfig) -> torch.dtype:
     """The dtype the float weights are held in (``weight_dtype``); int8 weights: the
     activations' dtype (their scales' and the kept LM head rows')."""

@@ -22,6 +22,7 @@ from engine.core.device_resolution import (
     dtype_reason,
     resolved_device,
     resolved_dtype,
+    resolved_kv_dtype,
     resolved_weight_dtype,
 )
 from engine.core.model_runner import ModelRunner
@@ -105,13 +106,14 @@ def build_parts(
         model.quantize_int8_()
     model.store_weights_(resolved_weight_dtype(config))
     layers = len(model.layers)  # a stage's cache holds its own layers only
-    plan = plan_cache(config, built.config, dtype, device, baseline, layers)
+    kv_dtype = resolved_kv_dtype(config)
+    plan = plan_cache(config, built.config, dtype, device, baseline, layers, kv_dtype)
     cc, num_blocks = plan.cache, plan.num_blocks
     cache = PagedKVCache(
         built.config,
         num_blocks,
         cc.block_size,
-        dtype,
+        kv_dtype,
         device,
         layers,
         first_layer=model.layer_range.start,
@@ -181,12 +183,13 @@ def log_cpu(parts: EngineParts) -> None:
     on = {True: "on", False: "off"}
     weights = config.quantization or str(parts.model.weight_dtype).removeprefix("torch.")
     logger.info(
-        "%s; this engine: %s%s (%s), packed bf16 weights %s, C decoder layers %s, "
-        "deterministic %s, %d tokens per step (%s)",
+        "%s; this engine: %s%s (%s), %s KV cache, packed bf16 weights %s, C decoder layers "
+        "%s, deterministic %s, %d tokens per step (%s)",
         isa.describe(),
         dtype,
         f" with {weights} weights" if weights != dtype else "",
         dtype_reason(config),
+        str(parts.cache.kv.dtype).removeprefix("torch."),
         on[bool(runner.packed)],
         on[bool(runner.native_decode)],
         "on (every step by the C layers)" if parts.model.deterministic else "off",

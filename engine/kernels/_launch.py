@@ -14,6 +14,8 @@ from typing import TypeVar
 import torch
 import triton
 
+from engine.kernels.kv_quant import row_elems
+
 F = TypeVar("F", bound=Callable)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -171,15 +173,18 @@ def attention_strides(q, k_cache, v_cache, out, block_tables) -> tuple[int, ...]
     )
 
 
-def check_paged_attention(q, k_cache, v_cache) -> None:
+def check_paged_attention(q, k_cache, v_cache, kv_dtypes=None) -> None:
     """What every paged attention launcher checks of q ([tokens or sequences, Hq, D]) and the
-    caches ([num_blocks, block_size, Hkv, D], q's dtype): Hq a multiple of Hkv, D at most 256."""
+    caches ([num_blocks, block_size, Hkv, row], a dtype of ``kv_dtypes``, by default q's; row is
+    D, or D + 2 for int8 rows with their scale, kvcache/kv_dtype.py): Hq a multiple of Hkv, D at
+    most 256."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), last_contiguous=True)
+    kv_dtypes = (q.dtype,) if kv_dtypes is None else kv_dtypes
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=kv_dtypes, last_contiguous=True)
     num_kv_heads = k_cache.shape[2]
-    check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
-    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
+    check_tensor("k_cache", k_cache, shape=(None, None, None, row_elems(k_cache.dtype, head_dim)))
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape))
     check_tensor("v_cache", v_cache, last_contiguous=True)
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(

@@ -19,7 +19,7 @@ from engine.kernels._launch import (
     on_tensor_device,
     pad_dim,
 )
-from engine.kernels.paged_gather import gather_blocks
+from engine.kernels.paged_gather import gather_blocks_float
 from engine.kernels.paged_tile import paged_tile_step
 
 LOG2E = 1.4426950408889634
@@ -90,7 +90,7 @@ def decode_attention_ref(
         s_all = torch.empty(batch, num_heads, n * rows_per_block, dtype=compute, device=q.device)
         for c, m, live in chunks:
             # [live, m, bs, Hkv, D]
-            kc = gather_blocks(k_cache, blocks[:live, c : c + m]).to(compute)
+            kc = gather_blocks_float(k_cache, blocks[:live, c : c + m])
             # q @ K^T, not K @ q^T: with the few query heads as M and the long key axis as N
             # the GEMM runs ~4x faster here than the other way round (profiling/bench_step.py).
             s_all[:live, :, c * rows_per_block : (c + m) * rows_per_block] = torch.bmm(
@@ -106,7 +106,7 @@ def decode_attention_ref(
             batch, num_heads, num_kv_heads * head_dim, dtype=compute, device=q.device
         )
         for c, m, live in chunks:
-            vc = gather_blocks(v_cache, blocks[:live, c : c + m]).to(compute)
+            vc = gather_blocks_float(v_cache, blocks[:live, c : c + m])
             cols = probs[:live, :, c * block_size : (c + m) * block_size]
             o_all[:live].baddbmm_(cols, vc.view(live, m * block_size, num_kv_heads * head_dim))
         o_all = o_all.view(batch, num_kv_heads, group, num_kv_heads, head_dim)
@@ -114,8 +114,8 @@ def decode_attention_ref(
         o = o.permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim)
         out.index_copy_(0, order, o.to(out.dtype))
         return out
-    k = gather_blocks(k_cache, blocks).to(compute)  # [B, n, bs, Hkv, D], contiguous
-    v = gather_blocks(v_cache, blocks).to(compute)
+    k = gather_blocks_float(k_cache, blocks)  # [B, n, bs, Hkv, D], contiguous
+    v = gather_blocks_float(v_cache, blocks)
     k = k.view(batch, length, num_kv_heads, head_dim)
     v = v.view(batch, length, num_kv_heads, head_dim)
     qg = q.view(batch, num_kv_heads, group, head_dim).to(compute)
@@ -144,8 +144,8 @@ def _decode_one_sequence(
     group = num_heads // num_kv_heads
     rows = blocks.numel() * block_size
     blocks = blocks.long().clamp(min=0)
-    k = gather_blocks(k_cache, blocks).view(rows, num_kv_heads, head_dim)[:seq_len].float()
-    v = gather_blocks(v_cache, blocks).view(rows, num_kv_heads, head_dim)[:seq_len].float()
+    k = gather_blocks_float(k_cache, blocks).view(rows, num_kv_heads, head_dim)[:seq_len]
+    v = gather_blocks_float(v_cache, blocks).view(rows, num_kv_heads, head_dim)[:seq_len]
     qg = q[0].view(num_kv_heads, group, head_dim).float() * scale
     probs = torch.softmax(torch.bmm(qg, k.permute(1, 2, 0)), dim=-1)  # [Hkv, G, L]
     o = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, G, D]
@@ -289,10 +289,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int)
     return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits) -> torch.Tensor:
+def _check_inputs(
+    q, k_cache, v_cache, block_tables, seq_lens, out, num_splits, kv_dtypes=None
+) -> torch.Tensor:
     """The launchers' shared argument checks (the reference's contract). Returns out, allocated
     when None."""
-    check_paged_attention(q, k_cache, v_cache)
+    check_paged_attention(q, k_cache, v_cache, kv_dtypes)
     batch = q.shape[0]
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, shape=(batch,), contiguous=True)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, shape=(batch, None))
@@ -334,15 +336,16 @@ def decode_attention_native(
     sequence's row); None: row b reads row b."""
     from engine.kernels import native
 
+    kv_codes = tuple(native.KV_DTYPE_CODES)
     if row_tables is not None:
         check_tensor("row_tables", row_tables, ndim=1, dtypes=(torch.int32,),
                      shape=(q.shape[0],), contiguous=True)  # fmt: skip
         check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
         own = torch.zeros(q.shape[0], block_tables.shape[1], dtype=block_tables.dtype)
-        _check_inputs(q, k_cache, v_cache, own, seq_lens, out, num_splits)
+        _check_inputs(q, k_cache, v_cache, own, seq_lens, out, num_splits, kv_codes)
         out = torch.empty_like(q) if out is None else out
     else:
-        out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
+        out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits, kv_codes)
     lib = native.library_for(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                              seq_lens=seq_lens, out=out)  # fmt: skip
     batch, num_heads, head_dim = q.shape
@@ -355,6 +358,7 @@ def decode_attention_native(
         seq_lens = seq_lens.to(torch.int32)
     rc = lib.engine_decode_attention(
         native.DTYPE_CODES[q.dtype],
+        native.KV_DTYPE_CODES[k_cache.dtype],
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

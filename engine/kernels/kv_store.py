@@ -14,6 +14,7 @@ from engine.kernels._launch import (
     on_tensor_device,
     paged_cache_strides,
 )
+from engine.kernels.kv_quant import to_cache
 
 
 def kv_store_ref(
@@ -23,7 +24,8 @@ def kv_store_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value: [T, Hkv, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D];
+    """key/value: [T, Hkv, D]; k_cache/v_cache: [num_blocks, block_size, Hkv, D] (any dtype;
+    int8: rows [.., D + 2] with their scales, kvcache/kv_dtype.py);
     slot_mapping: [T] int64, slot = block * block_size + offset, -1 skipped."""
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     valid = slot_mapping >= 0
@@ -31,8 +33,8 @@ def kv_store_ref(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    flat_k.index_copy_(0, slot_mapping, to_cache(key, k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, to_cache(value, v_cache.dtype))
 
 
 @triton.jit

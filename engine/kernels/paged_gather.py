@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.kv_quant import from_cache
+
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """cache [num_blocks, ...]; blocks [*S] integer ids -> [*S, ...] (a new contiguous tensor)."""
     flat = cache.index_select(0, blocks.reshape(-1).long())
     return flat.view(*blocks.shape, *cache.shape[1:])
+
+
+def gather_blocks_float(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """gather_blocks as float32 values: [*S, block_size, Hkv, D] (an int8 cache's rows
+    dequantized, kvcache/kv_dtype.py)."""
+    return from_cache(gather_blocks(cache, blocks), torch.float32)

@@ -27,6 +27,7 @@ from engine.kernels._launch import (
     on_tensor_device,
     pad_dim,
 )
+from engine.kernels.kv_quant import dequantize_int8, is_quantized
 from engine.kernels.paged_gather import gather_blocks
 from engine.kernels.paged_tile import paged_tile_step
 
@@ -42,6 +43,8 @@ def gather_kv(
     blocks = block_row[:n].long()
     k = gather_blocks(k_cache, blocks).reshape(n * block_size, *k_cache.shape[2:])[:length]
     v = gather_blocks(v_cache, blocks).reshape(n * block_size, *v_cache.shape[2:])[:length]
+    if is_quantized(k_cache.dtype):  # int8 rows with their scales: as float32 values
+        return dequantize_int8(k), dequantize_int8(v)
     return k, v
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.kernels.kv_quant import row_elems
 
 
 def bytes_per_block(
@@ -17,12 +18,13 @@ def bytes_per_block(
     cache holds only its own layers)."""
     layers = model.num_layers if num_layers is None else num_layers
     elem = torch.empty((), dtype=dtype).element_size()
-    return layers * 2 * block_size * model.num_kv_heads * model.head_dim * elem
+    return layers * 2 * block_size * model.num_kv_heads * row_elems(dtype, model.head_dim) * elem
 
 
 class PagedKVCache:
-    """kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layer i's K is
-    kv[i, 0] and V is kv[i, 1] (views, no copies)."""
+    """kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, row]; layer i's K is
+    kv[i, 0] and V is kv[i, 1] (views, no copies). ``dtype``: the KV cache's (kv_dtype.py); row
+    is head_dim, or head_dim + 2 for int8 rows with their scale."""
 
     def __init__(
         self,
@@ -44,7 +46,9 @@ class PagedKVCache:
         self.model_layers = model.num_layers
         if self.layers.stop > model.num_layers:
             raise ValueError(f"layers {self.layers} exceed the model's {model.num_layers}")
-        shape = (layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.dtype = dtype
+        row = row_elems(dtype, model.head_dim)  # int8: the values and their scale (kv_dtype.py)
+        shape = (layers, 2, num_blocks, block_size, model.num_kv_heads, row)
         self.kv = lazy_zeros(shape, dtype, device)
 
 

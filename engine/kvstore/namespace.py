@@ -35,7 +35,8 @@ ID_LEN = 16
 @dataclass(frozen=True)
 class KVNamespace:
     model_digest: str  # hex digest of the model's architecture, shapes and sampled weights
-    dtype: str  # torch dtype name of the KV cache, e.g. "float32", "bfloat16"
+    dtype: str  # torch dtype name of the KV cache, e.g. "float32", "bfloat16", "int8" (rows
+    # of int8 values with their fp16 scale, kvcache/kv_dtype.py)
     block_size: int
     num_layers: int
     num_kv_heads: int
@@ -69,9 +70,10 @@ class KVNamespace:
     @property
     def block_bytes(self) -> int:
         """One block's K and V for every layer, as the store holds it."""
-        return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        ) * self.elem_size
+        from engine.kernels.kv_quant import row_elems
+
+        row = row_elems(getattr(torch, self.dtype), self.head_dim)  # int8: values and scale
+        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * row) * self.elem_size
 
     def describe(self) -> dict:
         return {

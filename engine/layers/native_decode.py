@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels.gemm import pack_panels
+from engine.kernels.native import KV_DTYPE_CODES
 from engine.kernels.native.structs import Layer, Proj, Step
 from engine.layers.attention_metadata import AttentionMetadata
 
@@ -100,6 +101,7 @@ class NativeDecoder:
                     cfg.intermediate_size,
                     int(cfg.qk_norm),
                     kc.shape[1],
+                    KV_DTYPE_CODES[kc.dtype],
                     cfg.rms_norm_eps,
                     attn.scale,
                     layer.input_layernorm.weight.data_ptr(),

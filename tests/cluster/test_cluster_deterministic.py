@@ -3,7 +3,8 @@ decode cluster (its workers on one thread each) equal the colocated engine's sol
 same requests (on all of torch's threads), bit for bit: token ids, each token's logprob and its
 top logprobs; greedy and seeded, n = 2, a prompt past a 256-token attention chunk. The KV that
 the prefill worker computed in one batch, shipped layer by layer and decoded in another batch
-gives the bits that one request alone computes."""
+gives the bits that one request alone computes; with an int8 KV cache too (its rows and scales
+cross as the cache's bytes)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def signature(out):
 
 
 @pytest.mark.skipif(native.compiler() is None, reason="no C compiler: the torch layers serve")
-def test_concurrent_cluster_requests_equal_colocated_solo_runs():
-    with LLM(device="cpu", kv_cache_memory_gb=KV_GB) as llm:
+@pytest.mark.parametrize("kv", ["auto", "int8"])  # --kv-cache-dtype: int8 rows cross as bytes
+def test_concurrent_cluster_requests_equal_colocated_solo_runs(kv):
+    with LLM(device="cpu", kv_cache_memory_gb=KV_GB, kv_cache_dtype=kv) as llm:
         if not llm.engine.model.deterministic:
             pytest.skip("the C layers do not apply on this CPU (no vector row dots)")
         ids = [llm.engine.tokenizer.encode(p) for p in PROMPTS]
@@ -55,7 +57,8 @@ def test_concurrent_cluster_requests_equal_colocated_solo_runs():
         solo = [signature(llm.generate([p], params(i))[0]) for i, p in enumerate(ids)]
         together = [signature(o) for o in llm.generate(ids, [params(i) for i in range(len(ids))])]
     assert together == solo  # colocated under load
-    with Cluster(1, 1, worker_args=["--kv-cache-memory-gb", str(KV_GB)], router_config=ROUTER) as c:
+    args = ["--kv-cache-memory-gb", str(KV_GB), "--kv-cache-dtype", kv]
+    with Cluster(1, 1, worker_args=args, router_config=ROUTER) as c:
 
         async def main():
             return await asyncio.gather(

@@ -2,7 +2,8 @@
 of its solo run, bit for bit, whatever else the engine is doing: the batch it lands in, the
 chunk budget and where its chunks fall, when it and the others arrive, preemption and recompute,
 and prefix-cache hits. Greedy and seeded sampling, n > 1, float32 and bf16; the default model's
-vector paths too. With ``deterministic=False`` the batch still moves the logits (the test that
+vector paths too; each KV cache dtype (int8 and bf16 as well as the activations'). With
+``deterministic=False`` the batch still moves the logits (the test that
 shows the switch is real)."""
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
 
-def engine(model, dtype="float32", budget=2048, seqs=64, blocks=512, prefix=True, det=True):
+def engine(
+    model, dtype="float32", budget=2048, seqs=64, blocks=512, prefix=True, det=True, kv="auto"
+):
     e = LLMEngine(
         EngineConfig(
             model=model,
             dtype=dtype,
+            kv_cache_dtype=kv,
             device="cpu",
             deterministic=det,
             cache=CacheConfig(num_blocks=blocks, block_size=16, enable_prefix_caching=prefix),
@@ -57,8 +61,8 @@ def run(e, schedule):
     ]
 
 
-def solo(model, dtype, schedule):
-    e = engine(model, dtype)
+def solo(model, dtype, schedule, kv="auto"):
+    e = engine(model, dtype, kv=kv)
     return [run(e, [(0, ids, sp)])[0] for _, ids, sp in schedule]
 
 
@@ -103,13 +107,14 @@ def prompts(rng: random.Random, count: int, vocab=49152):
     seqs=st.integers(1, 6),
     blocks=st.sampled_from([40, 512]),  # 40 blocks of 16: preemption and recompute
     dtype=st.sampled_from(["float32", "bfloat16"]),
+    kv=st.sampled_from(["auto", "int8", "bfloat16"]),  # --kv-cache-dtype
 )
-def test_each_request_is_its_solo_run_bit_for_bit(seed, count, budget, seqs, blocks, dtype):
+def test_each_request_is_its_solo_run_bit_for_bit(seed, count, budget, seqs, blocks, dtype, kv):
     rng = random.Random(seed)
     model = tiny_model("llama")
     schedule = [(rng.randint(0, 6), ids, params(rng, 3)) for ids in prompts(rng, count)]
-    expected = solo(model, dtype, schedule)
-    got = run(engine(model, dtype, budget, seqs, blocks), schedule)
+    expected = solo(model, dtype, schedule, kv)
+    got = run(engine(model, dtype, budget, seqs, blocks, kv=kv), schedule)
     assert got == expected
 
 
@@ -137,7 +142,8 @@ def test_without_it_the_batch_moves_the_logprobs():
     assert together != alone
 
 
-def test_a_prefix_loaded_from_the_pool_gives_the_recomputes_bits():
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_a_prefix_loaded_from_the_pool_gives_the_recomputes_bits(kv):
     # the pool's DRAM tier hands back the KV bits the first run computed; the second run
     # computes only the tail, in another batch shape, and must give the first run's logprobs
     from engine.llm import LLM
@@ -150,11 +156,12 @@ def test_a_prefix_loaded_from_the_pool_gives_the_recomputes_bits():
         c = out.outputs[0]
         return c.token_ids, c.logprobs
 
-    with LLM(model, dtype="float32", device="cpu", enable_prefix_caching=False) as llm:
+    with LLM(model, dtype="float32", device="cpu", enable_prefix_caching=False,
+             kv_cache_dtype=kv) as llm:  # fmt: skip
         if not llm.engine.model.deterministic:
             pytest.skip("the C layers do not apply on this CPU (no vector row dots)")
         want = sig(llm.generate([ids], sp)[0])
-    with LLM(model, dtype="float32", device="cpu", kv_pool="dram=16MiB") as llm:
+    with LLM(model, dtype="float32", device="cpu", kv_pool="dram=16MiB", kv_cache_dtype=kv) as llm:
         assert sig(llm.generate([ids], sp)[0]) == want
         assert llm.engine.connector.flush()
         assert llm.reset_prefix_cache() > 0

@@ -106,6 +106,34 @@ def test_every_vector_path_is_batch_invariant_and_matches_the_reference(
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (6, 2, 80)])
+def test_a_cache_of_any_kv_dtype_matches_the_reference_and_is_batch_invariant(
+    kv_dtype, dtype, heads, kv_heads, head_dim
+):
+    # --kv-cache-dtype: K and V in a dtype of their own (int8: rows with their scale), q and out
+    # in the activations'. The grouped (9/3) and one-head (4/4) vector paths and the loops (80)
+    # read it as the torch reference does, and a row's bits stay its own in any batch.
+    from engine.kernels.kv_quant import to_cache
+
+    lens = [9, 700, 3, 260, 1, 513]
+    q, k_cache, v_cache, bt, lens_t = make_batch(
+        lens, heads, kv_heads, head_dim, 16, torch.float32, seed=5
+    )
+    q, k_cache, v_cache = q.to(dtype), to_cache(k_cache, kv_dtype), to_cache(v_cache, kv_dtype)
+    scale = head_dim**-0.5
+    together = decode_attention_native(q, k_cache, v_cache, bt, lens_t, scale)
+    ref = decode_attention_ref(q, k_cache, v_cache, bt, lens_t, scale)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(together, ref, **tol)
+    for b in range(len(lens)):
+        alone = decode_attention_native(
+            q[b : b + 1], k_cache, v_cache, bt[b : b + 1], lens_t[b : b + 1], scale
+        )
+        assert torch.equal(alone[0], together[b]), b
+
+
 def test_empty_sequence_gets_zeros_and_empty_batch_is_fine():
     q, k_cache, v_cache, bt, lens = make_batch([5, 1], 4, 2, 16, 4, torch.float32)
     lens[1] = 0
@@ -140,8 +168,9 @@ def test_rejects_bad_input_before_reading_memory():
         with pytest.raises(ValueError, match=match):
             decode_attention_native(**args, scale=0.125)
 
-    rejects("k_cache", q=q.bfloat16())
-    rejects("v_cache", v_cache=v_cache.half())
+    rejects("k_cache", q=q[:, :, :32].contiguous())  # a cache row of another head_dim
+    rejects("k_cache", k_cache=k_cache.to(torch.int16))
+    rejects("v_cache", v_cache=v_cache.half())  # K and V of one dtype
     rejects("seq_lens", seq_lens=lens[:1])
     outside = bt.clone()
     outside[0, 1] = num_blocks  # one past the cache

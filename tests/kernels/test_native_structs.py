@@ -46,7 +46,7 @@ def test_the_real_structs_agree(lib):
             getattr(cls, f[0]).offset for f in cls._fields_
         ]
     assert structs.check(lib) == []
-    assert c["Layer"].fields[14] == structs.CField("qkv", "Proj", 72, ctypes.sizeof(structs.Proj))
+    assert c["Layer"].fields[15] == structs.CField("qkv", "Proj", 80, ctypes.sizeof(structs.Proj))
 
 
 def _problems(lib, cls) -> str:
@@ -72,26 +72,26 @@ def test_a_field_added_in_the_middle_is_named(lib):
 def test_a_dropped_field_is_named(lib):
     layer = _mirror("Layer", _replace(structs.Layer, "sv_h", []))
     msg = _problems(lib, layer)
-    assert "Layer.sv_h (int64_t at offset 360, size 8) is in C but not in the ctypes mirror" in msg
-    assert "Layer: sizeof 368 in C, 360 in ctypes" in msg
+    assert "Layer.sv_h (int64_t at offset 368, size 8) is in C but not in the ctypes mirror" in msg
+    assert "Layer: sizeof 376 in C, 368 in ctypes" in msg
 
 
 @pytest.mark.parametrize(
     "field, ctype, expect",
     [
         # Another size: everything after it moves.
-        ("eps", ctypes.c_double, "Layer.eps: C has float at offset 32, size 4, ctypes c_double"),
+        ("eps", ctypes.c_double, "Layer.eps: C has float at offset 36, size 4, ctypes c_double"),
         # Same size and offset, another kind: only the types tell.
         (
             "eps",
             ctypes.c_int,
-            "Layer.eps: C has float at offset 32, size 4, ctypes c_int at offset 32",
+            "Layer.eps: C has float at offset 36, size 4, ctypes c_int at offset 36",
         ),
-        ("ln1", ctypes.c_int64, "Layer.ln1: C has const void * at offset 40, size 8, ctypes c_l"),
+        ("ln1", ctypes.c_int64, "Layer.ln1: C has const void * at offset 48, size 8, ctypes c_l"),
         (
             "num_blocks",
             ctypes.c_void_p,
-            "Layer.num_blocks: C has int64_t at offset 312, size 8, ctypes c_void_p",
+            "Layer.num_blocks: C has int64_t at offset 320, size 8, ctypes c_void_p",
         ),
     ],
 )
@@ -105,7 +105,7 @@ def test_a_nested_struct_of_another_type_is_named(lib):
     layer = _mirror("Layer", _replace(structs.Layer, "o", [("o", other)]))
     assert (
         _problems(lib, layer)
-        == "Layer.o: C has Proj at offset 128, size 56, ctypes Other at offset 128, size 56"
+        == "Layer.o: C has Proj at offset 136, size 56, ctypes Other at offset 136, size 56"
     )
 
 

@@ -16,6 +16,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.core.request import Request
 from engine.core.scheduler_output import ScheduledRequest
 from engine.kernels import native
+from engine.kernels.kv_quant import from_cache, to_cache
 from engine.kvcache.paged_cache import PagedKVCache
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.native_decode import MAX_ROWS, NativeDecoder
@@ -25,13 +26,16 @@ from engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
 
-def both_paths(model, seq_lens, seed=0, hook=None, round_to=None):
+def both_paths(model, seq_lens, seed=0, hook=None, round_to=None, kv_dtype=None):
     """(native hidden, native cache), (torch hidden, torch cache), the cache before and the
-    metadata of one decode step over a random context (its values rounded to ``round_to``)."""
+    metadata of one decode step over a random context (its values rounded to ``round_to``), the
+    cache in ``kv_dtype`` (by default the model's)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / BLOCK) for n in seq_lens) + 2
-    cache = PagedKVCache(model.cfg, num_blocks, BLOCK, model.dtype, torch.device("cpu"))
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).to(round_to or model.dtype))
+    kv_dtype = kv_dtype or model.dtype
+    cache = PagedKVCache(model.cfg, num_blocks, BLOCK, kv_dtype, torch.device("cpu"))
+    values = torch.randn(*cache.kv.shape[:-1], model.cfg.head_dim, generator=g)
+    cache.kv.copy_(to_cache(values.to(round_to or model.dtype), kv_dtype))
     positions, meta = decode_step(seq_lens, num_blocks, g)
     ids = torch.randint(0, model.cfg.vocab_size, (len(seq_lens),), generator=g)
     out = []
@@ -84,6 +88,33 @@ def test_float32_matches_the_torch_layers(shape, seq_lens):
     flat = before.view(2, 2, -1, *before.shape[-2:])
     changed = (nkv.view_as(flat) != flat).flatten(3).any(-1).any(0).any(0)
     assert set(changed.nonzero().flatten().tolist()) == set(meta.slot_mapping.tolist())
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_dtype",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.int8),
+        (torch.bfloat16, torch.int8),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+def test_a_kv_cache_of_its_own_dtype_is_written_with_the_torch_layers_bits(dtype, kv_dtype):
+    # --kv-cache-dtype: the C layer stores K and V rows in the cache's dtype (int8: quantized
+    # with their scale by dtypes.h store_i8_row) bit for bit as the torch layer's kv_store does
+    # (kv_dtype.quantize_int8) from the same float32 rows, and attends over them as the torch
+    # reference does (bf16 activations: the rows themselves differ by bf16 rounding, as in the
+    # tests above)
+    model = random_model(dtype, bias=True)
+    (nh, nkv), (th, tkv), before, meta = both_paths(model, [3, 40, 290], kv_dtype=kv_dtype)
+    assert nkv.dtype == kv_dtype and not torch.equal(nkv, before)
+    if dtype == torch.float32:
+        assert torch.equal(nkv, tkv)
+        torch.testing.assert_close(nh, th, rtol=1e-4, atol=1e-4)
+    else:
+        values = from_cache(nkv, torch.float32), from_cache(tkv, torch.float32)
+        torch.testing.assert_close(*values, rtol=0.05, atol=0.1)
+        torch.testing.assert_close(nh.float(), th.float(), rtol=0.1, atol=0.1)
 
 
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -56,6 +56,8 @@ SOURCES = (
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 # The element types the kernels take, by the codes of dtypes.h.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# A KV cache's element codes: the float dtypes', and int8 rows with their scale (kv_dtype.py).
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 3}
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-Wall")  # and the target's (compile_flags)
 _HERE = Path(__file__).resolve().parent
 
@@ -65,9 +67,10 @@ _state: dict[str, object] = {}
 
 _I, _I64, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    # dtype, q, k_cache, v_cache, out, block_tables, seq_lens, row_tables, table rows, batch,
-    # heads, kv_heads, dim, block_size, num_blocks, table width, 11 strides, scale, threads
-    "engine_decode_attention": [_I, _P, _P, _P, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _I]
+    # dtype, KV dtype, q, k_cache, v_cache, out, block_tables, seq_lens, row_tables, table
+    # rows, batch, heads, kv_heads, dim, block_size, num_blocks, table width, 11 strides, scale,
+    # threads
+    "engine_decode_attention": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _I]
     + [_I64] * 13
     + [_F, _I],
     # layer, step, hidden (structs.Layer, structs.Step)

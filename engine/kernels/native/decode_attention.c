@@ -66,9 +66,13 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* One row of n elements of dtype dt to float32. */
+/* One row of n elements of dtype dt to float32 (an int8 row times its scale). */
 static inline void load_row(int dt, const void *src, int64_t off, float *dst, int n) {
-    if (dt == DT_BF16) {
+    if (dt == DT_I8) {
+        const int8_t *p = (const int8_t *)src + off;
+        const float s = i8_row_scale(src, off, n);
+        for (int i = 0; i < n; i++) dst[i] = (float)p[i] * s;
+    } else if (dt == DT_BF16) {
         const uint16_t *p = (const uint16_t *)src + off;
         for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(p[i]);
     } else if (dt == DT_F16) {
@@ -169,7 +173,7 @@ static void scores_generic(const Args *a, const int32_t *table, int kh, int t0, 
     const int D = a->dim, G = a->heads / a->kv_heads;
     float row[MAX_DIM];
     for (int t = t0; t < t1; t++) {
-        load_row(a->dt, a->k, row_offset(table, t, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh),
+        load_row(a->kdt, a->k, row_offset(table, t, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh),
                  row, D);
         for (int h = kh * G; h < (kh + 1) * G; h++)
             scores[(size_t)h * CHUNK + (t - t0)] = dot(q + (size_t)h * D, row, D);
@@ -182,7 +186,7 @@ static void values_generic(const Args *a, const int32_t *table, int kh, int t0, 
     float row[MAX_DIM];
     memset(acc + (size_t)kh * G * D, 0, sizeof(float) * (size_t)G * (size_t)D);
     for (int t = t0; t < t1; t++) {
-        load_row(a->dt, a->v, row_offset(table, t, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh),
+        load_row(a->kdt, a->v, row_offset(table, t, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh),
                  row, D);
         for (int h = kh * G; h < (kh + 1) * G; h++) {
             const float p = probs[(size_t)h * CHUNK + (t - t0)];
@@ -412,7 +416,7 @@ static int attention_split(const Args *a, int batch, int num_threads) {
    reads block table row row_tables[b] (< table_rows), or b where row_tables is NULL: the rows of
    a prefill chunk share their sequence's. A row's result depends only on its own query, length
    and cache, never on the rows beside it, the thread count or the mode that computes it. */
-int engine_decode_attention(int dt, const void *q, const void *k_cache, const void *v_cache,
+int engine_decode_attention(int dt, int kdt, const void *q, const void *k_cache, const void *v_cache,
                             void *out, const int32_t *block_tables, const int32_t *seq_lens,
                             const int32_t *row_tables, int64_t table_rows, int batch, int heads,
                             int kv_heads, int dim, int block_size, int64_t num_blocks,
@@ -427,7 +431,8 @@ int engine_decode_attention(int dt, const void *q, const void *k_cache, const vo
                             row_tables ? table_rows : batch, batch, block_size, num_blocks,
                             table_width, s_bt))
         return -3;
-    const Args a = {dt, heads, kv_heads, dim, block_size, q, k_cache, v_cache, out,
+    if (kdt < DT_F32 || kdt > DT_I8 || dt < DT_F32 || dt > DT_F16) return -1;
+    const Args a = {dt, kdt, heads, kv_heads, dim, block_size, q, k_cache, v_cache, out,
                     block_tables, seq_lens, row_tables, sq_b, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s,
                     sv_h, so_b, so_h, s_bt, scale};
     /* row blocks where there are enough of them for the team (a prefill chunk), else items of

@@ -24,7 +24,9 @@
 #endif
 
 typedef struct {
-    int dt, heads, kv_heads, dim, block_size;
+    int dt;  /* q's and out's dtype */
+    int kdt; /* the cache's (DT_I8: rows of dim int8 values and their fp16 scale, dtypes.h) */
+    int heads, kv_heads, dim, block_size;
     const void *q, *k, *v;
     void *out;
     const int32_t *tables, *lens;

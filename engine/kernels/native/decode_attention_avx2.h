@@ -12,6 +12,9 @@
 /* The same loops in 8-lane registers (AVX2 with FMA; bf16 widened by a 16-bit shift, fp16 by
    F16C). 8 elements of dtype dt at element offset i of p, as float32. */
 static inline __m256 load8(int dt, const void *p, int64_t i) {
+    if (dt == DT_I8) /* the row's values; its scale is applied to the dot (or the probability) */
+        return _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
     if (dt == DT_BF16) {
         const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -47,6 +50,15 @@ static inline int chunk_offsets(const int32_t *table, int bs, int64_t s_b, int64
     return n;
 }
 
+/* For an int8 cache (kdt DT_I8): the scales of the rows at offs[0 .. n rounded up to 8) into
+   sc, and 1; else 0 (nothing to scale). */
+static inline int chunk_scales(const Args *a, const void *cache, const int64_t *offs, int n,
+                               float *sc) {
+    if (a->kdt != DT_I8) return 0;
+    for (int i = 0; i < (n + 7) / 8 * 8; i++) sc[i] = i8_row_scale(cache, offs[i], a->dim);
+    return 1;
+}
+
 /* head_dim = 8 * nv. Scores: 8 keys at a time, their 8 dots in registers, the query's 8-column
    pieces loaded once for the 8 keys (a padded group repeats the last key; its scores land past
    the chunk's length, where nothing reads them). Values: up to 64 columns of a head's
@@ -59,6 +71,8 @@ static inline __attribute__((always_inline)) void scores_avx2(
     int64_t offs[CHUNK];
     const int n = chunk_offsets(table, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh, t0, t1,
                                 offs);
+    float sc[CHUNK];
+    const int q8 = chunk_scales(a, a->k, offs, n, sc);
     for (int h = kh * G; h < (kh + 1) * G; h++) {
         const float *qh = q + (size_t)h * D;
         for (int i = 0; i < n; i += 8) {
@@ -70,10 +84,12 @@ static inline __attribute__((always_inline)) void scores_avx2(
                 const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++)
-                    dots[j] = _mm256_fmadd_ps(qc, load8(a->dt, a->k, offs[i + j] + 8 * c),
+                    dots[j] = _mm256_fmadd_ps(qc, load8(a->kdt, a->k, offs[i + j] + 8 * c),
                                               dots[j]);
             }
-            _mm256_storeu_ps(scores + (size_t)h * CHUNK + i, sum8(dots));
+            __m256 r = sum8(dots);
+            if (q8) r = _mm256_mul_ps(r, _mm256_loadu_ps(sc + i));
+            _mm256_storeu_ps(scores + (size_t)h * CHUNK + i, r);
         }
     }
 }
@@ -85,6 +101,8 @@ static inline __attribute__((always_inline)) void values_avx2(
     int64_t offs[CHUNK];
     const int n = chunk_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, t1,
                                 offs);
+    float sc[CHUNK];
+    const int q8 = chunk_scales(a, a->v, offs, n, sc);
     for (int h = kh * G; h < (kh + 1) * G; h++) {
         const float *ph = probs + (size_t)h * CHUNK;
         for (int c0 = 0; c0 < nv; c0 += 8) {
@@ -93,10 +111,10 @@ static inline __attribute__((always_inline)) void values_avx2(
 #pragma GCC unroll 8
             for (int c = 0; c < m; c++) o[c] = _mm256_setzero_ps();
             for (int i = 0; i < n; i++) {
-                const __m256 p = _mm256_set1_ps(ph[i]);
+                const __m256 p = _mm256_set1_ps(q8 ? ph[i] * sc[i] : ph[i]);
 #pragma GCC unroll 8
                 for (int c = 0; c < m; c++)
-                    o[c] = _mm256_fmadd_ps(p, load8(a->dt, a->v, offs[i] + 8 * (c0 + c)), o[c]);
+                    o[c] = _mm256_fmadd_ps(p, load8(a->kdt, a->v, offs[i] + 8 * (c0 + c)), o[c]);
             }
 #pragma GCC unroll 8
             for (int c = 0; c < m; c++)
@@ -119,6 +137,8 @@ static inline __attribute__((always_inline)) void scores_avx2_grouped(
     int64_t offs[CHUNK];
     const int n = chunk_offsets(table, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh, t0, t1,
                                 offs);
+    float sc[CHUNK];
+    const int q8 = chunk_scales(a, a->k, offs, n, sc);
     for (int i = 0; i < n; i += 4) {
         __m256 dots[12];
         for (int j = 0; j < 12; j++) dots[j] = _mm256_setzero_ps();
@@ -128,7 +148,7 @@ static inline __attribute__((always_inline)) void scores_avx2_grouped(
             for (int g = 0; g < HS; g++) qc[g] = _mm256_loadu_ps(q + (size_t)(h0 + g) * D + 8 * c);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                const __m256 kv = load8(a->dt, a->k, offs[i + j] + 8 * c);
+                const __m256 kv = load8(a->kdt, a->k, offs[i + j] + 8 * c);
                 for (int g = 0; g < HS; g++)
                     dots[4 * g + j] = _mm256_fmadd_ps(qc[g], kv, dots[4 * g + j]);
             }
@@ -141,7 +161,9 @@ static inline __attribute__((always_inline)) void scores_avx2_grouped(
             _mm256_storeu_ps(r + 8, sum8(rest));
         }
         for (int g = 0; g < HS; g++)
-            for (int j = 0; j < 4; j++) scores[(size_t)(h0 + g) * CHUNK + i + j] = r[4 * g + j];
+            for (int j = 0; j < 4; j++)
+                scores[(size_t)(h0 + g) * CHUNK + i + j] =
+                    q8 ? r[4 * g + j] * sc[i + j] : r[4 * g + j];
     }
 }
 
@@ -152,6 +174,8 @@ static inline __attribute__((always_inline)) void values_avx2_grouped(
     int64_t offs[CHUNK];
     const int n = chunk_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, t1,
                                 offs);
+    float sc[CHUNK];
+    const int q8 = chunk_scales(a, a->v, offs, n, sc);
     for (int c0 = 0; c0 < nv; c0 += 4) {
         const int m = nv - c0 < 4 ? nv - c0 : 4;
         __m256 o[3][4];
@@ -159,10 +183,13 @@ static inline __attribute__((always_inline)) void values_avx2_grouped(
             for (int c = 0; c < 4; c++) o[g][c] = _mm256_setzero_ps();
         for (int i = 0; i < n; i++) {
             __m256 p[3];
-            for (int g = 0; g < HS; g++) p[g] = _mm256_set1_ps(probs[(size_t)(h0 + g) * CHUNK + i]);
+            for (int g = 0; g < HS; g++) {
+                const float pr = probs[(size_t)(h0 + g) * CHUNK + i];
+                p[g] = _mm256_set1_ps(q8 ? pr * sc[i] : pr);
+            }
 #pragma GCC unroll 4
             for (int c = 0; c < m; c++) {
-                const __m256 v = load8(a->dt, a->v, offs[i] + 8 * (c0 + c));
+                const __m256 v = load8(a->kdt, a->v, offs[i] + 8 * (c0 + c));
                 for (int g = 0; g < HS; g++) o[g][c] = _mm256_fmadd_ps(p[g], v, o[g][c]);
             }
         }

@@ -10,6 +10,9 @@
 #if defined(__AVX512F__)
 /* 16 elements of dtype dt at element offset i of p, as float32. */
 static inline __m512 load16(int dt, const void *p, int64_t i) {
+    if (dt == DT_I8) /* the row's values; its scale is applied to the dot (or the probability) */
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
     if (dt == DT_BF16) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -49,16 +52,21 @@ static inline __attribute__((always_inline)) void scores_avx512(
         for (int t = t0; t < t1; t += 16) {
             const int n = t1 - t < 16 ? t1 - t : 16;
             __m512 dots[16];
+            float sc[16];
             for (int j = 0; j < 16; j++) {
                 dots[j] = _mm512_setzero_ps();
+                sc[j] = 1.f;
                 if (j >= n) continue;
                 const int64_t off = row_offset(table, t + j, a->block_size, a->sk_b, a->sk_s,
                                                a->sk_h, kh);
+                if (a->kdt == DT_I8) sc[j] = i8_row_scale(a->k, off, D);
                 for (int c = 0; c < nv; c++)
-                    dots[j] = _mm512_fmadd_ps(qv[c], load16(a->dt, a->k, off + 16 * c), dots[j]);
+                    dots[j] = _mm512_fmadd_ps(qv[c], load16(a->kdt, a->k, off + 16 * c), dots[j]);
             }
+            __m512 r = sum16(dots);
+            if (a->kdt == DT_I8) r = _mm512_mul_ps(r, _mm512_loadu_ps(sc));
             _mm512_mask_storeu_ps(scores + (size_t)h * CHUNK + (t - t0),
-                                  (__mmask16)((1u << n) - 1u), sum16(dots));
+                                  (__mmask16)((1u << n) - 1u), r);
         }
     }
 }
@@ -72,11 +80,12 @@ static inline __attribute__((always_inline)) void values_avx512(
         for (int c = 0; c < nv; c++) o[c] = _mm512_setzero_ps();
         const float *ph = probs + (size_t)h * CHUNK;
         for (int t = t0; t < t1; t++) {
-            const __m512 p = _mm512_set1_ps(ph[t - t0]);
             const int64_t off = row_offset(table, t, a->block_size, a->sv_b, a->sv_s,
                                            a->sv_h, kh);
+            const float pr = ph[t - t0];
+            const __m512 p = _mm512_set1_ps(a->kdt == DT_I8 ? pr * i8_row_scale(a->v, off, D) : pr);
             for (int c = 0; c < nv; c++)
-                o[c] = _mm512_fmadd_ps(p, load16(a->dt, a->v, off + 16 * c), o[c]);
+                o[c] = _mm512_fmadd_ps(p, load16(a->kdt, a->v, off + 16 * c), o[c]);
         }
         for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + (size_t)h * D + 16 * c, o[c]);
     }

@@ -48,7 +48,7 @@
 int engine_check_tables(const int32_t *block_tables, const int32_t *seq_lens,
                         const int32_t *row_tables, int64_t table_rows, int batch, int block_size,
                         int64_t num_blocks, int64_t table_width, int64_t s_bt);
-int engine_decode_attention(int dt, const void *q, const void *k_cache, const void *v_cache,
+int engine_decode_attention(int dt, int kdt, const void *q, const void *k_cache, const void *v_cache,
                             void *out, const int32_t *block_tables, const int32_t *seq_lens,
                             const int32_t *row_tables, int64_t table_rows, int batch, int heads,
                             int kv_heads, int dim, int block_size,
@@ -78,7 +78,7 @@ typedef struct {
 } Proj;
 
 #define LAYER_FIELDS(X)                                                                           \
-    X(int, dt) /* the model dtype: activations, norms, biases, scales and the KV cache */         \
+    X(int, dt) /* the model dtype: activations, norms, biases and scales */                      \
     X(int, hidden)                                                                                \
     X(int, heads)                                                                                 \
     X(int, kv_heads)                                                                              \
@@ -86,6 +86,7 @@ typedef struct {
     X(int, inter)                                                                                 \
     X(int, qk_norm)                                                                               \
     X(int, block_size)                                                                            \
+    X(int, kdt) /* the KV cache's dtype (DT_I8: int8 rows with their scale, dtypes.h) */          \
     X(float, eps)                                                                                 \
     X(float, scale)                                                                               \
     X(const void *, ln1)    /* [hidden] */                                                        \
@@ -96,7 +97,7 @@ typedef struct {
     X(Proj, o)                                                                                    \
     X(Proj, gate_up)                                                                              \
     X(Proj, down)                                                                                 \
-    X(void *, k_cache) /* [num_blocks, block_size, kv_heads, dim], last dim contiguous */         \
+    X(void *, k_cache) /* [num_blocks, block_size, kv_heads, row], row dim (+2 for int8) */       \
     X(void *, v_cache) /* as k_cache */                                                           \
     X(int64_t, num_blocks)                                                                        \
     X(int64_t, sk_b)                                                                              \
@@ -293,13 +294,12 @@ static void row_rope_store(const Layer *L, const Step *S, float *y, void *qd, in
     const int64_t slot = S->slots[m];
     if (slot < 0) return; /* a row without a slot writes no KV */
     const int64_t blk = slot / L->block_size, off = slot % L->block_size;
-    for (int h = 0; h < HK; h++)
-        for (int d = 0; d < D; d++) {
-            store_f32(dt, L->k_cache, blk * L->sk_b + off * L->sk_s + h * L->sk_h + d,
-                      row[QS + (int64_t)h * D + d]);
-            store_f32(dt, L->v_cache, blk * L->sv_b + off * L->sv_s + h * L->sv_h + d,
-                      row[QS + KS + (int64_t)h * D + d]);
-        }
+    for (int h = 0; h < HK; h++) {
+        store_row_f32(L->kdt, L->k_cache, blk * L->sk_b + off * L->sk_s + h * L->sk_h,
+                      row + QS + (int64_t)h * D, D);
+        store_row_f32(L->kdt, L->v_cache, blk * L->sv_b + off * L->sv_s + h * L->sv_h,
+                      row + QS + KS + (int64_t)h * D, D);
+    }
 }
 
 /* hf += y (o_proj's output); x = RMSNorm(hf) (the MLP's input norm). */
@@ -367,7 +367,7 @@ int engine_decode_layer(const Layer *L, const Step *S, void *hidden) {
     ROWS(row_norm_in(L, hidden, hf, x, m));
     if (project(dt, &L->qkv, x, R, y, th)) goto oom;
     ROWS(row_rope_store(L, S, y, qd, m));
-    int rc = engine_decode_attention(dt, qd, L->k_cache, L->v_cache, od, S->block_tables,
+    int rc = engine_decode_attention(dt, L->kdt, qd, L->k_cache, L->v_cache, od, S->block_tables,
                                      S->seq_lens, S->row_tables, S->table_rows, R, HQ, HK, D,
                                      L->block_size, L->num_blocks,
                                      S->table_width, QS, D, L->sk_b, L->sk_s, L->sk_h, L->sv_b,

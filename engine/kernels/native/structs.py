@@ -37,6 +37,7 @@ class Layer(ctypes.Structure):
         ("dt", _C),
         *((name, _C) for name in ("hidden", "heads", "kv_heads", "dim", "inter", "qk_norm")),
         ("block_size", _C),
+        ("kdt", _C),
         ("eps", _F),
         ("scale", _F),
         *((name, _P) for name in ("ln1", "ln2", "q_norm", "k_norm")),

@@ -1,0 +1,130 @@
+"""The KV cache's dtypes (``--kv-cache-dtype``): how much they cost in quality, teacher forced
+against a float32 cache, and what they save in decode time at long contexts.
+
+    .venv/bin/python profiling/bench_kv_dtype.py quality
+    .venv/bin/python profiling/bench_kv_dtype.py quality --positions 4096 8192 --window 512
+    .venv/bin/python profiling/bench_kv_dtype.py decode --contexts 2048 8192 --batches 1 16
+
+quality: the repository's own docs (docs/*.md and the README, in order) as one text, its first
+``max(positions)`` tokens run once per KV dtype with float32 activations (``prompt_logprobs=1``,
+so every position's logprob of the text's next token and the model's top-1 token). For the
+``window`` positions ending at each of ``positions``: top-1 agreement with the float32 cache
+and perplexity (exp of the mean negative logprob) against the float32 cache's. Targets of the
+long-context issue: top-1 agreement >= 97%, perplexity within 2%.
+
+decode: time per output token (TPOT) at a context: ``batch`` requests that share one prompt of
+``context`` tokens (computed once, then a prefix hit for each: every request still reads the
+whole context at every step) decode 32 tokens; TPOT is the mean over requests of (last token -
+first token) / 31, the engine's own timestamps. Per KV dtype, with the engine's defaults
+otherwise (``dtype=auto``). Report the CPU beside the figures: the first line says it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+KV_DTYPES = ["float32", "bfloat16", "int8"]
+
+
+def corpus_ids(tokenizer, n: int) -> list[int]:
+    """The first n tokens of the repository's docs (README then docs/*.md by name)."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    text = "\n\n".join(f.read_text() for f in files)
+    ids = tokenizer.encode(text)
+    if len(ids) < n:
+        raise SystemExit(f"the docs hold {len(ids)} tokens, fewer than {n}")
+    return ids[:n]
+
+
+def teacher_forced(kv: str, ids: list[int]) -> tuple[list[float], list[int]]:
+    """Per position i >= 1: the logprob of ids[i] and the top-1 token, under KV dtype kv."""
+    from engine import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
+    blocks = len(ids) // 16 + 16
+    with LLM(dtype="float32", kv_cache_dtype=kv, num_blocks=blocks) as llm:
+        out = llm.generate([ids], sp)[0]
+    lps, top = [], []
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        lps.append(entry[ids[i]].logprob)
+        top.append(next(t for t, lp in entry.items() if lp.rank == 1))
+    return lps, top
+
+
+def cmd_quality(args: argparse.Namespace) -> None:
+    from engine.bench.serve import load_tokenizer
+
+    n = max(args.positions)
+    ids = corpus_ids(load_tokenizer("default"), n)
+    runs = {}
+    for kv in KV_DTYPES:
+        t0 = time.perf_counter()
+        runs[kv] = teacher_forced(kv, ids)
+        print(f"  {kv}: {n} positions in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\nTeacher forced over the docs, float32 activations, windows of {args.window}")
+    print("| KV cache | window | top-1 agreement | perplexity | vs float32 |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for end in args.positions:
+        lo, hi = end - args.window - 1, end - 1  # entry i predicts token i + 1
+        base = math.exp(-statistics.fmean(runs["float32"][0][lo:hi]))
+        for kv in KV_DTYPES:
+            lps, top = runs[kv]
+            agree = sum(a == b for a, b in zip(top[lo:hi], runs["float32"][1][lo:hi])) / (hi - lo)
+            ppl = math.exp(-statistics.fmean(lps[lo:hi]))
+            print(
+                f"| {kv} | {end - args.window}-{end} | {agree:.1%} | {ppl:.3f} | "
+                f"{ppl / base - 1:+.2%} |"
+            )
+
+
+def cmd_decode(args: argparse.Namespace) -> None:
+    from engine import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    rows = []
+    for kv in args.kv_dtypes:
+        for context in args.contexts:
+            blocks = (context // 16 + 4) * 2 + 16 * 4
+            with LLM(kv_cache_dtype=kv, num_blocks=blocks, max_num_seqs=max(args.batches)) as llm:
+                vocab = llm.engine.model_config.vocab_size
+                prompt = [100 + (i * 7919) % (vocab - 200) for i in range(context)]
+                llm.generate([prompt], SamplingParams(max_tokens=1))  # the shared prefix
+                for batch in args.batches:
+                    outs = llm.generate([prompt] * batch, sp)
+                    tpot = statistics.fmean(
+                        (o.metrics.last_token_time - o.metrics.first_token_time) / 31 for o in outs
+                    )
+                    rows.append((kv, context, batch, tpot))
+                    print(f"  {kv} {context} x{batch}: {tpot * 1e3:.1f} ms", flush=True)
+    print("\n| KV cache | context | batch | TPOT | tokens/s |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for kv, context, batch, tpot in rows:
+        print(f"| {kv} | {context} | {batch} | {tpot * 1e3:.1f} ms | {batch / tpot:.1f} |")
+
+
+def main() -> None:
+    from engine import cpu_isa
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("quality", help="teacher-forced agreement and perplexity vs float32 KV")
+    q.add_argument("--positions", type=int, nargs="+", default=[4096, 8192])
+    q.add_argument("--window", type=int, default=512)
+    q.set_defaults(func=cmd_quality)
+    d = sub.add_parser("decode", help="time per output token at long contexts")
+    d.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    d.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    d.add_argument("--kv-dtypes", nargs="+", default=["auto", "bfloat16", "int8"])
+    d.set_defaults(func=cmd_decode)
+    args = ap.parse_args()
+    print(cpu_isa.this_cpu().describe(), flush=True)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
