@@ -340,7 +340,8 @@ class EngineConfig:
     # bf16 in registers (AVX2, AVX-512): bfloat16 weights, float32 activations (cpu_isa
     # auto_weight_dtype). A 16-bit weight_dtype other than dtype takes dtype float32.
     weight_dtype: str = "auto"
-    # The KV cache's element type (vLLM's --kv-cache-dtype): auto is the activations' dtype;
+    # The KV cache's element type (vLLM's --kv-cache-dtype): auto is the activations' dtype
+    # (bfloat16 where dtype=auto picks float32 with bf16 weights: cpu_isa auto_kv_dtype);
     # bfloat16, float16, float32 whatever the activations; int8 a row of int8 values per token
     # and KV head with its float16 scale (engine/kvcache/kv_dtype.py; "fp8" means int8; CPU only).
     kv_cache_dtype: str = "auto"

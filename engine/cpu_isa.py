@@ -197,6 +197,20 @@ class CpuIsa:
             return "bfloat16"
         return dtype
 
+    def auto_kv_dtype(self, quantization: str | None = None) -> str:
+        """The KV cache's dtype under ``dtype=auto`` and ``kv_cache_dtype=auto``: the
+        activations' own (auto_dtype), except bfloat16 under float32 activations where the C
+        attention widens bf16 in registers (c_float_row_dots CPUs: AVX2 with FMA and F16C, or
+        AVX-512). Half the bytes every step reads at long contexts; measured on a 2-core AMD
+        EPYC (AVX2, default model, profiling/bench_kv_dtype.py, docs/benchmarks.md): a decode
+        step at 8k of context 32.8 against 52.7 ms (batch 1) and 207 against 483 ms (16), an 8k
+        prefill 40.1 against 45.4 s, 1k the same within noise; attention's error against a
+        float32 cache 0.2% (docs/kernels.md)."""
+        dtype = self.auto_dtype(quantization)[0]
+        if dtype == "float32" and self.c_float_row_dots:
+            return "bfloat16"
+        return dtype
+
     def onednn_packs(self, dtype_name: str) -> bool:
         """Whether oneDNN can hold weights of ``dtype_name`` ("bfloat16", "float16") in its
         blocked layout (``torch.ops.mkldnn._reorder_linear_weight``). torch refuses elsewhere:

@@ -4,6 +4,7 @@ against a float32 cache, and what they save in decode time at long contexts.
     .venv/bin/python profiling/bench_kv_dtype.py quality
     .venv/bin/python profiling/bench_kv_dtype.py quality --positions 4096 8192 --window 512
     .venv/bin/python profiling/bench_kv_dtype.py decode --contexts 2048 8192 --batches 1 16
+    .venv/bin/python profiling/bench_kv_dtype.py prefill --contexts 1024 8192
 
 quality: the repository's own docs (docs/*.md and the README, in order) as one text, its first
 ``max(positions)`` tokens run once per KV dtype with float32 activations (``prompt_logprobs=1``,
@@ -13,10 +14,13 @@ and perplexity (exp of the mean negative logprob) against the float32 cache's. T
 long-context issue: top-1 agreement >= 97%, perplexity within 2%.
 
 decode: time per output token (TPOT) at a context: ``batch`` requests that share one prompt of
-``context`` tokens (computed once, then a prefix hit for each: every request still reads the
-whole context at every step) decode 32 tokens; TPOT is the mean over requests of (last token -
-first token) / 31, the engine's own timestamps. Per KV dtype, with the engine's defaults
-otherwise (``dtype=auto``). Report the CPU beside the figures: the first line says it.
+``context`` tokens (less 40 where that is the model's length), computed once and then a prefix
+hit for each (every request still reads the whole context at every step), decode 32 tokens;
+TPOT is the mean over requests of (last token - first token) / 31, the engine's timestamps.
+Per KV dtype, with the engine's defaults otherwise (``dtype=auto``).
+
+prefill: time to first token of a unique prompt (no prefix shared) of each length, per KV dtype.
+Report the CPU beside the figures: the first line of every subcommand says it.
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def cmd_decode(args: argparse.Namespace) -> None:
             blocks = (context // 16 + 4) * 2 + 16 * 4
             with LLM(kv_cache_dtype=kv, num_blocks=blocks, max_num_seqs=max(args.batches)) as llm:
                 vocab = llm.engine.model_config.vocab_size
-                prompt = [100 + (i * 7919) % (vocab - 200) for i in range(context)]
+                n = min(context, llm.engine.max_model_len - 40)  # room for the 32 tokens
+                prompt = [100 + (i * 7919) % (vocab - 200) for i in range(n)]
                 llm.generate([prompt], SamplingParams(max_tokens=1))  # the shared prefix
                 for batch in args.batches:
                     outs = llm.generate([prompt] * batch, sp)
@@ -105,6 +110,28 @@ def cmd_decode(args: argparse.Namespace) -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     for kv, context, batch, tpot in rows:
         print(f"| {kv} | {context} | {batch} | {tpot * 1e3:.1f} ms | {batch / tpot:.1f} |")
+
+
+def cmd_prefill(args: argparse.Namespace) -> None:
+    from engine import LLM, SamplingParams
+
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    rows = []
+    for kv in args.kv_dtypes:
+        blocks = max(args.contexts) // 16 + 64
+        with LLM(kv_cache_dtype=kv, num_blocks=blocks) as llm:
+            vocab = llm.engine.model_config.vocab_size
+            llm.generate([list(range(100, 164))], one)  # warm-up
+            for k, context in enumerate(args.contexts):
+                n = min(context, llm.engine.max_model_len - 8)
+                prompt = [100 + (i * 7919 + 31 * k) % (vocab - 200) for i in range(n)]
+                m = llm.generate([prompt], one)[0].metrics
+                rows.append((kv, n, m.first_token_time - m.arrival_time))
+                print(f"  {kv} {n}: {rows[-1][2]:.2f} s", flush=True)
+    print("\n| KV cache | prompt tokens | TTFT | prefill tokens/s |")
+    print("| --- | ---: | ---: | ---: |")
+    for kv, n, t in rows:
+        print(f"| {kv} | {n} | {t:.2f} s | {n / t:.0f} |")
 
 
 def main() -> None:
@@ -121,6 +148,10 @@ def main() -> None:
     d.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     d.add_argument("--kv-dtypes", nargs="+", default=["auto", "bfloat16", "int8"])
     d.set_defaults(func=cmd_decode)
+    f = sub.add_parser("prefill", help="TTFT of a unique prompt per KV dtype")
+    f.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    f.add_argument("--kv-dtypes", nargs="+", default=["auto", "bfloat16", "int8"])
+    f.set_defaults(func=cmd_prefill)
     args = ap.parse_args()
     print(cpu_isa.this_cpu().describe(), flush=True)
     args.func(args)

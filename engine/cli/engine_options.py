@@ -48,8 +48,9 @@ ENGINE_FLAGS = (
         "auto",
         {
             "choices": ["auto", "bfloat16", "float16", "float32", "int8", "fp8"],
-            "help": "the KV cache's element type: auto is the activations'; int8 keeps each "
-            "token's row of each KV head as int8 with its scale (fp8 means int8; CPU only)",
+            "help": "the KV cache's element type: auto is the activations', or bfloat16 where "
+            "--dtype auto picks float32 on a CPU; int8 keeps each token's row of each KV head "
+            "as int8 with its scale (fp8 means int8; CPU only)",
         },
     ),
     EngineFlag("--device", "device", "auto"),

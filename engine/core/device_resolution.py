@@ -8,7 +8,9 @@ engine/cpu_isa.py what this CPU computes fastest in (under its ``ENGINE_CPU_ISA`
 - dtype ``auto``: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), float32 on
   other CPUs (bf16 there too with int8 weights: measured faster for int8 decode);
 - weight_dtype ``auto``: the dtype's own, except under dtype ``auto`` on CPUs whose C row dots
-  widen bf16 in registers (AVX2, AVX-512): bfloat16 weights, float32 activations.
+  widen bf16 in registers (AVX2, AVX-512): bfloat16 weights, float32 activations;
+- kv_cache_dtype ``auto``: the activations', except on those CPUs under dtype ``auto``: a
+  bfloat16 KV cache under the float32 activations.
 """
 
 from __future__ import annotations
@@ -35,13 +37,18 @@ def resolved_dtype(config: EngineConfig) -> torch.dtype:
 
 
 def resolved_kv_dtype(config: EngineConfig) -> torch.dtype:
-    """The KV cache's dtype (``kv_cache_dtype``; auto: the activations'). Another dtype than
+    """The KV cache's dtype (``kv_cache_dtype``; auto: the activations', except bfloat16 under
+    ``dtype=auto``'s float32 activations on CPUs whose C attention widens bf16 in registers:
+    cpu_isa.CpuIsa.auto_kv_dtype). Another dtype than
     the activations' is read by the C kernels and the torch references only: ValueError on CUDA,
     whose Triton kernels (and their ahead-of-time table) take the activations' dtype."""
     from engine.kvcache.kv_dtype import resolve_kv_dtype
 
     activations = resolved_dtype(config)
     dtype = resolve_kv_dtype(config.kv_cache_dtype, activations)
+    auto = config.kv_cache_dtype == "auto" and config.dtype == "auto"
+    if auto and resolved_device(config).type == "cpu":
+        dtype = getattr(torch, cpu_isa.this_cpu().auto_kv_dtype(config.quantization))
     if dtype != activations and resolved_device(config).type == "cuda":
         name = str(activations).removeprefix("torch.")
         raise ValueError(

@@ -72,12 +72,34 @@ def test_the_flag_takes_vllms_names_and_names_itself_when_wrong():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*got 'int4'"):
         EngineConfig(kv_cache_dtype="int4")
     cpu = EngineConfig(device="cpu", dtype="float32")
-    assert resolved_kv_dtype(cpu) == torch.float32
+    assert resolved_kv_dtype(cpu) == torch.float32  # asked for float32: all of it
     assert resolved_kv_dtype(EngineConfig(device="cpu", kv_cache_dtype="int8")) == torch.int8
     # CUDA's Triton kernels read a cache of the activations' dtype only
     with pytest.raises(ValueError, match="kv_cache_dtype int8 on CUDA"):
         resolved_kv_dtype(EngineConfig(device="cuda", kv_cache_dtype="int8"))
     assert resolved_kv_dtype(EngineConfig(device="cuda", kv_cache_dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512bf16"])
+def test_auto_is_bf16_under_float32_activations_where_attention_widens_it(monkeypatch, isa):
+    # dtype=auto: float32 activations with bf16 weights on AVX2 and AVX-512 without BF16, whose
+    # C attention widens bf16 KV in registers: a bf16 cache (half the bytes at long contexts);
+    # with native bf16 the activations are bf16 and so is the cache
+    from engine import cpu_isa
+
+    monkeypatch.setenv("ENGINE_CPU_ISA", isa)
+    cpu_isa.this_cpu.cache_clear()
+    try:
+        here = cpu_isa.this_cpu()
+        if here.level != isa:
+            pytest.skip(f"this CPU is {here.level}: it cannot be capped to {isa}")
+        auto = EngineConfig(device="cpu")
+        assert resolved_kv_dtype(auto) == torch.bfloat16
+        assert resolved_kv_dtype(EngineConfig(device="cpu", kv_cache_dtype="float32")) == (
+            torch.float32
+        )
+    finally:
+        cpu_isa.this_cpu.cache_clear()
 
 
 def test_each_kv_dtype_is_a_namespace_of_its_own():
