@@ -11,14 +11,17 @@ from paged_inputs import TOL, random_paged_cache
 
 from engine.kernels import native
 from engine.kernels.decode_attention import decode_attention_native, decode_attention_ref
+from engine.kernels.kv_quant import to_cache
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
 
-def sequences(lens, dtype, heads=9, kv_heads=3, dim=64, block=16, seed=0):
-    """A cache holding sequences of ``lens`` tokens and one query per token of each."""
+def sequences(lens, dtype, heads=9, kv_heads=3, dim=64, block=16, seed=0, kv_dtype=None):
+    """A cache (of ``kv_dtype``, by default ``dtype``) holding sequences of ``lens`` tokens and
+    one query per token of each."""
     g = torch.Generator().manual_seed(seed)
-    k, v, tables = random_paged_cache(lens, kv_heads, dim, block, dtype, g)
+    k, v, tables = random_paged_cache(lens, kv_heads, dim, block, torch.float32, g)
+    k, v = to_cache(k, kv_dtype or dtype), to_cache(v, kv_dtype or dtype)
     q = torch.randn(sum(lens), heads, dim, generator=g).to(dtype)
     seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(torch.int32)
     causal = torch.cat([torch.arange(1, n + 1) for n in lens]).to(torch.int32)
@@ -29,15 +32,26 @@ def rows(q, k, v, tables, seq, causal, idx):
     """Attention of the query rows ``idx`` in one call (each over its own causal length)."""
     idx = torch.as_tensor(idx)
     return decode_attention_native(
-        q[idx].contiguous(), k, v, tables, causal[idx].contiguous(), 64**-0.5,
+        q[idx].contiguous(), k, v, tables, causal[idx].contiguous(), q.shape[-1] ** -0.5,
         row_tables=seq[idx].contiguous(),
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_rows_give_each_tokens_decode_bits(dtype):
+@pytest.mark.parametrize(
+    "dtype, kv_dtype, dim",
+    [
+        (torch.float32, torch.float32, 64),
+        (torch.bfloat16, torch.bfloat16, 64),
+        # --kv-cache-dtype: row blocks widen each chunk once (exactly), flash-decoding reads the
+        # cache: the same bits; int8 on the vector path (64) and the loops (80)
+        (torch.float32, torch.bfloat16, 64),
+        (torch.float32, torch.int8, 64),
+        (torch.bfloat16, torch.int8, 80),
+    ],
+)
+def test_prefill_rows_give_each_tokens_decode_bits(dtype, kv_dtype, dim):
     # 700 tokens: three 256-token chunks, the last partial; and a short second sequence
-    q, k, v, tables, seq, causal = sequences([700, 40], dtype)
+    q, k, v, tables, seq, causal = sequences([700, 40], dtype, dim=dim, kv_dtype=kv_dtype)
     every = rows(q, k, v, tables, seq, causal, range(740))  # row blocks (many rows)
     for t in [0, 1, 255, 256, 257, 511, 699, 700, 739]:
         alone = rows(q, k, v, tables, seq, causal, [t])  # a decode of token t (flash-decoding)
