@@ -12,7 +12,9 @@
    into the row's state in chunk order by the online softmax's rule (merge_part). Work items:
    with few rows, (row, chunk) or (row, chunk, KV head), the parts merged afterwards
    (flash-decoding: a long context is split across the team); with many rows, blocks of rows
-   that go over each chunk in turn while its K and V are in the core's cache (a prefill chunk).
+   that go over each chunk in turn (a prefill chunk), the rows of one sequence together: on
+   AVX2 they take the chunk's keys a tile at a time (rows_avx2), each tile of K and V read into
+   L1 once for all the rows and query heads of its KV head.
    Both give the same bits: a row's result depends only on its query, its length and its
    cache, never on the rows beside it, the thread count, or whether it is a prefill or a decode
    row. The tile boundaries being absolute positions is what makes a chunked prefill and a
@@ -201,22 +203,27 @@ static void values_generic(const Args *a, const int32_t *table, int kh, int t0, 
 #include "decode_attention_avx512.h"
 #include "decode_attention_avx2.h"
 
-/* Attention of query row b's heads that share KV heads [kh0, kh1) over tokens [t0, t1) (a chunk
-   at absolute positions): their rows of the unnormalised output acc [heads, dim], the max m
-   [heads] and the sum of exponentials l [heads]. scores: heads * (CHUNK + dim) floats of scratch
-   (the scores, then the scaled query). One compiled copy (noinline) serves every caller, so a
-   chunk's bits never depend on who asks for it. */
-static __attribute__((noinline)) void attend_chunk(const Args *a, int b, int kh0, int kh1, int t0,
-                                                   int t1, float *scores, float *acc, float *m,
-                                                   float *l) {
+/* Attention of query rows rows[0..R) of one sequence (they share its block table row) for the
+   query heads of KV heads [kh0, kh1) over the chunk at t0 (absolute positions), row r over its
+   first ns[r] tokens (its causal length within the chunk): row r's part, its unnormalised
+   output acc [heads, dim], max m [heads] and sum of exponentials l [heads], at parts + r * part
+   (part = heads * (dim + 2)). scratch: R * heads * (CHUNK + dim) floats (the scores, then the
+   scaled queries). One compiled copy (noinline) serves every caller, and a row's bits never
+   depend on who asks for it or on the rows beside it (on AVX2 the rows share each tile of keys,
+   rows_avx2; elsewhere they are taken one by one). */
+static __attribute__((noinline)) void attend_rows(const Args *a, const int *rows, const int *ns,
+                                                  int R, int kh0, int kh1, int t0,
+                                                  float *scratch, float *parts) {
     const int H = a->heads, D = a->dim, G = H / a->kv_heads;
-    const int n = t1 - t0;
-    const int32_t *table = row_table(a, b);
-    float *q = scores + (size_t)H * CHUNK;
-    for (int h = kh0 * G; h < kh1 * G; h++) {
-        load_row(a->dt, a->q, (int64_t)b * a->sq_b + (int64_t)h * a->sq_h, q + (size_t)h * D, D);
-        for (int d = 0; d < D; d++) q[(size_t)h * D + d] *= a->scale;
-    }
+    const size_t part = (size_t)H * ((size_t)D + 2), ss = (size_t)H * CHUNK, rs = (size_t)H * D;
+    float *scores = scratch, *q = scratch + ss * (size_t)R;
+    const int32_t *table = row_table(a, rows[0]);
+    for (int r = 0; r < R; r++)
+        for (int h = kh0 * G; h < kh1 * G; h++) {
+            float *qh = q + rs * (size_t)r + (size_t)h * D;
+            load_row(a->dt, a->q, (int64_t)rows[r] * a->sq_b + (int64_t)h * a->sq_h, qh, D);
+            for (int d = 0; d < D; d++) qh[d] *= a->scale;
+        }
     void (*scores_fn)(const Args *, const int32_t *, int, int, int, const float *, float *) =
         scores_generic;
     void (*values_fn)(const Args *, const int32_t *, int, int, int, const float *, float *) =
@@ -225,16 +232,27 @@ static __attribute__((noinline)) void attend_chunk(const Args *a, int b, int kh0
     if (D == 64) scores_fn = scores_nv4, values_fn = values_nv4;
     if (D == 128) scores_fn = scores_nv8, values_fn = values_nv8;
 #elif defined(ATTN_AVX2)
-    if (D == 64) scores_fn = scores_nv8, values_fn = values_nv8;
-    if (D == 128) scores_fn = scores_nv16, values_fn = values_nv16;
+    void (*rows_fn)(const Args *, const int32_t *, int, int, const int *, int, const float *,
+                    size_t, float *, size_t, float *, size_t) =
+        D == 64 ? rows_nv8 : (D == 128 ? rows_nv16 : NULL);
+    if (rows_fn) {
+        for (int kh = kh0; kh < kh1; kh++)
+            rows_fn(a, table, kh, t0, ns, R, q, rs, scores, ss, parts, part);
+        return;
+    }
 #endif
-    for (int kh = kh0; kh < kh1; kh++) scores_fn(a, table, kh, t0, t1, q, scores);
-    for (int h = kh0 * G; h < kh1 * G; h++)
-        softmax_chunk(scores + (size_t)h * CHUNK, n, m + h, l + h);
-    for (int kh = kh0; kh < kh1; kh++) values_fn(a, table, kh, t0, t1, scores, acc);
+    for (int r = 0; r < R; r++) {
+        const float *qr = q + rs * (size_t)r;
+        float *sr = scores + ss * (size_t)r, *pr = parts + part * (size_t)r;
+        for (int kh = kh0; kh < kh1; kh++) scores_fn(a, table, kh, t0, t0 + ns[r], qr, sr);
+        for (int h = kh0 * G; h < kh1 * G; h++)
+            softmax_chunk(sr + (size_t)h * CHUNK, ns[r], pr + (size_t)H * D + h,
+                          pr + (size_t)H * D + H + h);
+        for (int kh = kh0; kh < kh1; kh++) values_fn(a, table, kh, t0, t0 + ns[r], sr, pr);
+    }
 }
 
-/* Folds a chunk's part (acc, m, l of attend_chunk) for heads [h0, h1) into a row's running
+/* Folds a chunk's part (acc, m, l of attend_rows) for heads [h0, h1) into a row's running
    state (o [heads, dim], mx, total), chunks in order from the first (first: the state is the
    part). The online softmax's merge, one compiled copy for every caller (noinline): decode's
    parts merged after the fact and a prefill row's merged as they come give the same bits. */
@@ -299,8 +317,8 @@ static int attention_row_blocks(const Args *a, int batch, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     {
         const size_t state = (size_t)heads * ((size_t)dim + 2);
-        float *scratch = malloc(sizeof(float) * ((size_t)heads * (CHUNK + (size_t)dim) +
-                                                 state * (ROW_BLOCK_ROWS + 1)));
+        float *scratch = malloc(sizeof(float) * ROW_BLOCK_ROWS *
+                                ((size_t)heads * (CHUNK + (size_t)dim) + 2 * state));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -312,8 +330,10 @@ static int attention_row_blocks(const Args *a, int batch, int num_threads) {
             const int b1 = b0 + ROW_BLOCK_ROWS < batch ? b0 + ROW_BLOCK_ROWS : batch;
             const int kh0 = split == 1 ? 0 : (int)(j % split);
             const int kh1 = split == 1 ? a->kv_heads : kh0 + 1;
-            float *sc = scratch, *part = sc + (size_t)heads * (CHUNK + (size_t)dim);
-            float *st = part + state; /* the rows' states */
+            float *sc = scratch;
+            float *part = sc + ROW_BLOCK_ROWS * (size_t)heads * (CHUNK + (size_t)dim);
+            float *st = part + state * ROW_BLOCK_ROWS; /* the rows' states */
+            int group[ROW_BLOCK_ROWS], ns[ROW_BLOCK_ROWS];
             int chunks = 0;
             for (int b = b0; b < b1; b++) {
                 const int len = a->lens[b] > 0 ? a->lens[b] : 0;
@@ -323,18 +343,28 @@ static int attention_row_blocks(const Args *a, int batch, int num_threads) {
                 for (int h = kh0 * G; h < kh1 * G; h++) s[(size_t)heads * dim + heads + h] = 0.f;
                 if (len == 0) memset(s, 0, sizeof(float) * (size_t)heads * dim);
             }
-            for (int c = 0; c < chunks; c++)
-                for (int b = b0; b < b1; b++) {
-                    const int t0 = c * CHUNK, len = a->lens[b];
-                    if (t0 >= len) continue;
-                    const int t1 = t0 + CHUNK < len ? t0 + CHUNK : len;
-                    float *s = st + state * (size_t)(b - b0);
-                    attend_chunk(a, b, kh0, kh1, t0, t1, sc, part, part + (size_t)heads * dim,
-                                 part + (size_t)heads * dim + heads);
-                    merge_part(kh0 * G, kh1 * G, dim, part, part + (size_t)heads * dim,
-                               part + (size_t)heads * dim + heads, s, s + (size_t)heads * dim,
-                               s + (size_t)heads * dim + heads, c == 0);
+            for (int c = 0; c < chunks; c++) {
+                const int t0 = c * CHUNK;
+                /* the block's rows that reach this chunk, in runs that share a table row */
+                for (int b = b0; b < b1;) {
+                    const int32_t *table = row_table(a, b);
+                    int R = 0, e = b;
+                    for (; e < b1 && row_table(a, e) == table; e++) {
+                        if (t0 >= a->lens[e]) continue;
+                        group[R] = e;
+                        ns[R++] = (a->lens[e] - t0 < CHUNK ? a->lens[e] - t0 : CHUNK);
+                    }
+                    if (R) attend_rows(a, group, ns, R, kh0, kh1, t0, sc, part);
+                    for (int r = 0; r < R; r++) {
+                        float *s = st + state * (size_t)(group[r] - b0);
+                        const float *p = part + state * (size_t)r;
+                        merge_part(kh0 * G, kh1 * G, dim, p, p + (size_t)heads * dim,
+                                   p + (size_t)heads * dim + heads, s, s + (size_t)heads * dim,
+                                   s + (size_t)heads * dim + heads, c == 0);
+                    }
+                    b = e;
                 }
+            }
             for (int b = b0; b < b1; b++) {
                 const float *s = st + state * (size_t)(b - b0);
                 finish_row(a, b, kh0 * G, kh1 * G, s, s + (size_t)heads * dim + heads);
@@ -386,10 +416,8 @@ static int attention_split(const Args *a, int batch, int num_threads) {
             const int b = owner[i], kh0 = split == 1 ? 0 : (int)(j % split);
             const int kh1 = split == 1 ? a->kv_heads : kh0 + 1;
             const int t0 = (int)(i - first[b]) * CHUNK;
-            const int t1 = t0 + CHUNK < seq_lens[b] ? t0 + CHUNK : seq_lens[b];
-            float *p = parts + part * (size_t)i;
-            attend_chunk(a, b, kh0, kh1, t0, t1, scratch, p, p + (size_t)heads * dim,
-                         p + (size_t)heads * dim + heads);
+            const int n = seq_lens[b] - t0 < CHUNK ? seq_lens[b] - t0 : CHUNK;
+            attend_rows(a, &b, &n, 1, kh0, kh1, t0, scratch, parts + part * (size_t)i);
         }
 #pragma omp for schedule(static)
         for (int b = 0; b < batch; b++) {
