@@ -2,13 +2,14 @@
 against a float32 cache, and what they save in decode time at long contexts.
 
     .venv/bin/python profiling/bench_kv_dtype.py quality
-    .venv/bin/python profiling/bench_kv_dtype.py quality --positions 4096 8192 --window 512
+    .venv/bin/python profiling/bench_kv_dtype.py quality --positions 4096 8191 --window 512
     .venv/bin/python profiling/bench_kv_dtype.py decode --contexts 2048 8192 --batches 1 16
     .venv/bin/python profiling/bench_kv_dtype.py prefill --contexts 1024 8192
 
 quality: the repository's own docs (docs/*.md and the README, in order) as one text, its first
-``max(positions)`` tokens run once per KV dtype with float32 activations (``prompt_logprobs=1``,
-so every position's logprob of the text's next token and the model's top-1 token). For the
+``max(positions)`` tokens (at most the model's length less one) run once per KV dtype with
+float32 activations (``prompt_logprobs=1``, so every position's logprob of the text's next
+token and the model's top-1 token). For the
 ``window`` positions ending at each of ``positions``: top-1 agreement with the float32 cache
 and perplexity (exp of the mean negative logprob) against the float32 cache's. Targets of the
 long-context issue: top-1 agreement >= 97%, perplexity within 2%.
@@ -140,7 +141,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("quality", help="teacher-forced agreement and perplexity vs float32 KV")
-    q.add_argument("--positions", type=int, nargs="+", default=[4096, 8192])
+    q.add_argument("--positions", type=int, nargs="+", default=[4096, 8191])
     q.add_argument("--window", type=int, default=512)
     q.set_defaults(func=cmd_quality)
     d = sub.add_parser("decode", help="time per output token at long contexts")

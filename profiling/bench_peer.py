@@ -3,6 +3,7 @@
 
     .venv/bin/python profiling/bench_peer.py --llama-server /path/to/llama-server
     .venv/bin/python profiling/bench_peer.py --workloads chat --engine-args "--dtype float32"
+    .venv/bin/python profiling/bench_peer.py --workloads long --skip-hf --llama-server PATH
 
 Workloads (streamed /v1/completions over HTTP, chat-formatted prompts sent as token ids, fixed
 output length with ignore_eos; warm-up requests first):
@@ -11,6 +12,12 @@ output length with ignore_eos; warm-up requests first):
 - ``prefix``: 64 completions sharing a 1,024-token system prompt, then 50-200 words of their own,
   96 output tokens each, 16 at a time (prefix caches matter).
 - ``batch1``: one request at a time, 128 output tokens: batch-1 decode speed (TPOT).
+- ``long``: 2 unique prompts of about 7,950 tokens, one at a time, 32 output tokens each: the
+  time to first token of an 8k prefill and the decode speed at 8k of context (not by default).
+- ``trace``: Mooncake's conversation trace at its real scale (512 tokens per block, its block ids
+  kept: later turns share earlier turns' prefixes), the first 6 whole conversations whose turns
+  all fit the default model (8,000 tokens), one request at a time in the trace's order, 32
+  output tokens each (not by default).
 
 llama-server runs with the model's GGUF, 16 slots (``-np``), continuous batching and the same
 thread count; transformers runs float32 (its reference dtype) `generate` on padded batches of 16
@@ -44,6 +51,8 @@ from engine.bench.workload import WORDS
 from engine.ipc.ports import free_port
 
 CONCURRENCY = 16
+TRACE_MAX_INPUT = 8000  # the ``trace`` workload's longest turn: the default model's 8,192 less room
+LONG_BODY = 7900  # tokens of a ``long`` prompt's text: with the chat template, under 8,192 - 32
 
 
 # -- workloads ------------------------------------------------------------------------------------
@@ -76,7 +85,38 @@ def workload(name: str, tok, seed: int, scale: float) -> tuple[list[list[int]], 
     if name == "batch1":
         n = max(2, round(4 * scale))
         return [chat_ids(tok, None, f"{i}: " + words(100)) for i in range(n)], 128, 1
+    if name == "trace":
+        return trace_workload(max(1, round(6 * scale)), seed), 32, 1
+    if name == "long":
+        n = max(1, round(2 * scale))
+        texts = [tok.decode(tok.encode(words(7000), add_special_tokens=False)[:LONG_BODY])]
+        texts += [tok.decode(tok.encode(words(7000), add_special_tokens=False)[:LONG_BODY])
+                  for _ in range(n - 1)]  # fmt: skip
+        return [chat_ids(tok, None, f"{i}: " + t) for i, t in enumerate(texts)], 32, 1
     raise SystemExit(f"unknown workload {name!r}")
+
+
+def trace_workload(conversations: int, salt: int) -> list[list[int]]:
+    """The conversation trace at its real scale: the first ``conversations`` whole conversations
+    (named by their second hash id, as engine/bench/trace.py samples them) whose every turn fits
+    the default model (at most TRACE_MAX_INPUT tokens), each trace block 512 tokens of its own
+    (block ids kept, so a turn shares its earlier turns' prefix as in the trace), in the trace's
+    order."""
+    from engine.bench.trace import TRACE_BLOCK, block_tokens_of
+    from engine.sim.trace import DEFAULT_TRACE, load_trace
+
+    reqs = load_trace(DEFAULT_TRACE)
+    convs: dict[int, list] = {}
+    for r in reqs:
+        convs.setdefault(r.hash_ids[1] if len(r.hash_ids) > 1 else -1 - r.index, []).append(r)
+    chosen = [c for c in convs.values() if max(r.input_len for r in c) <= TRACE_MAX_INPUT]
+    keep = {r.index for c in chosen[:conversations] for r in c}
+    prompts = []
+    for r in reqs:
+        if r.index in keep:
+            ids = [t for h in r.hash_ids for t in block_tokens_of(h, TRACE_BLOCK, salt)]
+            prompts.append(ids[: r.input_len])
+    return prompts
 
 
 # -- one HTTP load --------------------------------------------------------------------------------
@@ -210,7 +250,9 @@ def start_engine(args, gguf: str, name: str = "engine", extra: str | None = None
 def start_llama(args, gguf: str) -> Server:
     port = free_port()
     cmd = [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["-np", str(CONCURRENCY), "-c", str(CONCURRENCY * 2048), "-t", str(args.threads)]
+    long = {"long", "trace"} & set(args.workloads)
+    per_slot = 8448 if long else 2048  # a long prompt and its output
+    cmd += ["-np", str(CONCURRENCY), "-c", str(CONCURRENCY * per_slot), "-t", str(args.threads)]
     cmd += ["-tb", str(args.threads), "--cont-batching", "--no-webui"]
     cmd += shlex.split(args.llama_args)
     return Server(
