@@ -21,7 +21,8 @@ with its page cache dropped), all measured in the same run; target >= 50% of eac
 same run), per block and batched (put_many/get_many_into). ``--mooncake``: a real mooncake_master
 and a lender process, MooncakeTier as a pure client (TCP) against the same raw ZeroMQ rates.
 
-    .venv/bin/python profiling/bench_pool.py ttft [--prompt-len 2048] [--dtypes float32,bfloat16]
+    .venv/bin/python profiling/bench_pool.py ttft [--prompt-len 2048] [--dtypes float32,bfloat16] \
+        [--kv-cache-dtypes auto,int8]
 
 ttft: a long prompt whose blocks (all but the last) sit in DRAM or on SSD (page cache dropped)
 against recomputing it (engine/bench/pool_ttft.py).
