@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.kernels.kv_copy import (
+    as_words,
     kv_gather_ref,
     kv_gather_triton,
     kv_scatter_ref,
@@ -88,6 +89,29 @@ def test_references_match_loop():
     for b in range(NUM_BLOCKS):
         expect = cache[:, :, b] if b in ids.tolist() else torch.zeros_like(cache[:, :, b])
         assert torch.equal(back[:, :, b], expect)
+
+
+@pytest.mark.parametrize("row, dtype", [(66, torch.int8), (64, torch.bfloat16), (5, torch.int8)])
+def test_references_copy_blocks_as_words_bit_for_bit(row, dtype):
+    # an int8 cache's rows of 66 bytes (kv_quant.py) and any dtype: copied as whole words of
+    # each block (as_words), through permuted staging and at an odd byte offset (element-wise
+    # then), always the blocks' exact bytes
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randint(-128, 127, (2, 2, NUM_BLOCKS, 16, 3, row), generator=g).to(dtype)
+    ids = _ids(6)
+    assert as_words(cache).dtype == torch.int64  # 16 x 3 x row bytes: whole 8-byte words
+    staging = torch.empty(6, 2, 2, 16, 3, row, dtype=dtype)  # the pool's [n, layers, 2, ...]
+    kv_gather_ref(cache, ids, staging.permute(1, 2, 0, 3, 4, 5))
+    for i, b in enumerate(ids.tolist()):
+        assert torch.equal(staging[i], cache[:, :, b])
+    back = torch.zeros_like(cache)
+    kv_scatter_ref(staging.permute(1, 2, 0, 3, 4, 5), ids, back)
+    assert torch.equal(back[:, :, ids], cache[:, :, ids])
+    odd = torch.empty(staging.numel() + 1, dtype=dtype)[1:].view(staging.shape)
+    odd.copy_(staging)
+    again = torch.zeros_like(cache)
+    kv_scatter_ref(odd.permute(1, 2, 0, 3, 4, 5), ids, again)
+    assert torch.equal(again, back)
 
 
 def test_rejects_bad_input():
