@@ -12,7 +12,7 @@ output length with ignore_eos; warm-up requests first):
 - ``prefix``: 64 completions sharing a 1,024-token system prompt, then 50-200 words of their own,
   96 output tokens each, 16 at a time (prefix caches matter).
 - ``batch1``: one request at a time, 128 output tokens: batch-1 decode speed (TPOT).
-- ``long``: 2 unique prompts of about 7,950 tokens, one at a time, 32 output tokens each: the
+- ``long``: 2 unique prompts of about 7,100 tokens, one at a time, 32 output tokens each: the
   time to first token of an 8k prefill and the decode speed at 8k of context (not by default).
 - ``trace``: Mooncake's conversation trace at its real scale (512 tokens per block, its block ids
   kept: later turns share earlier turns' prefixes), the first 6 whole conversations whose turns
@@ -52,7 +52,7 @@ from engine.ipc.ports import free_port
 
 CONCURRENCY = 16
 TRACE_MAX_INPUT = 8000  # the ``trace`` workload's longest turn: the default model's 8,192 less room
-LONG_BODY = 7900  # tokens of a ``long`` prompt's text: with the chat template, under 8,192 - 32
+LONG_BODY = 7900  # tokens of a ``long`` prompt's text (re-encoded in the chat template: ~7,100)
 
 
 # -- workloads ------------------------------------------------------------------------------------
