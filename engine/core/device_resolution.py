@@ -39,9 +39,9 @@ def resolved_dtype(config: EngineConfig) -> torch.dtype:
 def resolved_kv_dtype(config: EngineConfig) -> torch.dtype:
     """The KV cache's dtype (``kv_cache_dtype``; auto: the activations', except bfloat16 under
     ``dtype=auto``'s float32 activations on CPUs whose C attention widens bf16 in registers:
-    cpu_isa.CpuIsa.auto_kv_dtype). Another dtype than
-    the activations' is read by the C kernels and the torch references only: ValueError on CUDA,
-    whose Triton kernels (and their ahead-of-time table) take the activations' dtype."""
+    cpu_isa.CpuIsa.auto_kv_dtype). Another dtype than the activations' is read by the C kernels
+    and the torch references only: ValueError on CUDA, whose Triton kernels (and their
+    ahead-of-time table) take the activations' dtype."""
     from engine.kvcache.kv_dtype import resolve_kv_dtype
 
     activations = resolved_dtype(config)
