@@ -325,6 +325,58 @@ class SchedulerConfig:
         return replace(self, max_num_batched_tokens=default)
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Draftless speculative decoding (engine/spec/): ``method`` None is off; "ngram" proposes the
+    tokens that followed the latest earlier occurrence of the sequence's last n tokens (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``: vLLM's prompt lookup); "suffix" follows
+    the most frequent continuation of the longest matching suffix, in the request's own tokens
+    and in the outputs of the last ``suffix_cache_requests`` requests (suffix decoding). At most
+    ``num_speculative_tokens`` are proposed per sequence and step; ``adaptive`` lowers a
+    sequence's number as its proposals are rejected, down to none, and raises it as they are
+    accepted. Verification keeps the target distribution exactly (engine/spec/verify.py)."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    suffix_cache_requests: int = 256
+    suffix_max_depth: int = 24
+    suffix_min_token_prob: float = 0.1
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (or none), "
+                f"got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}"
+            )
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+                f"({self.prompt_lookup_min})"
+            )
+        _positive("suffix_cache_requests", self.suffix_cache_requests)
+        if not 2 <= self.suffix_max_depth <= 64:
+            raise ValueError(f"suffix_max_depth must be in [2, 64], got {self.suffix_max_depth}")
+        if not 0.0 <= self.suffix_min_token_prob < 1.0:
+            raise ValueError(
+                f"suffix_min_token_prob must be in [0, 1), got {self.suffix_min_token_prob}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance needs. ``model``: "default" or a GGUF file or HF dir."""
@@ -381,6 +433,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     show_progress: bool = False
     # Tiered KV pool, e.g. "dram=4GiB,ssd=/var/cache/kv:50GiB" or "dram=1GiB,tcp://HOST:PORT"
     # (engine/pool_spec.py); None: KV lives only in the paged cache.
@@ -399,6 +452,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.stage, PipelineStage):
             raise ValueError(f"stage must be a PipelineStage, got {self.stage!r}")
+        if self.speculative.enabled and not self.stage.is_whole:
+            raise ValueError(
+                f"speculative decoding needs the whole model, not pipeline stage {self.stage}"
+            )
         if self.kv_pool is not None and not self.stage.is_whole:
             raise ValueError(
                 f"pipeline stages run without a KV pool (stage {self.stage}, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.errors import RequestError
 from engine.outputs import RequestOutput
@@ -44,7 +44,12 @@ class LLM:
         seed: int = 0,
         show_progress: bool = False,
         kv_pool: str | None = None,
+        # Draftless speculative decoding, as vLLM's LLM takes it: {"method": "ngram",
+        # "num_speculative_tokens": 5, "prompt_lookup_max": 4} (the fields of SpeculativeConfig)
+        speculative_config: SpeculativeConfig | dict | None = None,
     ) -> None:
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig(**speculative_config)
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -67,6 +72,7 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
             ),
+            speculative=speculative_config or SpeculativeConfig(),
             show_progress=show_progress,
             kv_pool=kv_pool,
         )

@@ -1,14 +1,22 @@
 """Engines on the default model, built small, and a loop that runs prompts to the end: shared by the
 engine, connector and cluster tests."""
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_engine(num_blocks=256, max_tokens=2048, max_seqs=64, block_size=16, prefix=True, **seams):
+def make_engine(
+    num_blocks=256,
+    max_tokens=2048,
+    max_seqs=64,
+    block_size=16,
+    prefix=True,
+    speculative: SpeculativeConfig | None = None,
+    **seams,
+):
     """``seams``: LLMEngine's connector_factory and block_listener."""
     return LLMEngine(
         EngineConfig(
@@ -19,6 +27,7 @@ def make_engine(num_blocks=256, max_tokens=2048, max_seqs=64, block_size=16, pre
                 num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=prefix
             ),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs),
+            speculative=speculative or SpeculativeConfig(),
         ),
         **seams,
     )

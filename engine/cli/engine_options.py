@@ -159,6 +159,51 @@ ENGINE_FLAGS = (
         "--no-prefix-caching", "cache.enable_prefix_caching", True, {"action": "store_true"}, True
     ),
     EngineFlag(
+        "--speculative",
+        "speculative.method",
+        None,
+        {
+            "choices": ["ngram", "suffix"],
+            "help": "draftless speculative decoding: ngram (prompt lookup in the request's "
+            "tokens) or suffix (the request's tokens and recent outputs); default off "
+            "(docs/speculative.md)",
+        },
+    ),
+    EngineFlag(
+        "--num-speculative-tokens",
+        "speculative.num_speculative_tokens",
+        5,
+        {"type": int, "help": "the most tokens proposed per sequence and step"},
+    ),
+    EngineFlag(
+        "--prompt-lookup-min",
+        "speculative.prompt_lookup_min",
+        2,
+        {"type": int, "help": "ngram: the shortest n-gram matched"},
+    ),
+    EngineFlag(
+        "--prompt-lookup-max",
+        "speculative.prompt_lookup_max",
+        4,
+        {"type": int, "help": "ngram: the longest n-gram matched (tried first)"},
+    ),
+    EngineFlag(
+        "--suffix-cache-requests",
+        "speculative.suffix_cache_requests",
+        256,
+        {"type": int, "help": "suffix: how many recent requests' outputs are kept to match"},
+    ),
+    EngineFlag(
+        "--speculative-adaptive",
+        "speculative.adaptive",
+        True,
+        {
+            "action": _BOOL,
+            "help": "each sequence proposes fewer tokens as its proposals are rejected, down to "
+            "none (default on)",
+        },
+    ),
+    EngineFlag(
         "--kv-pool",
         "kv_pool",
         None,
@@ -229,9 +274,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace):
     """The EngineConfig that ``ENGINE_FLAGS`` describe, as ``args`` has them."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
-    fields: dict[str, dict] = {"": {}, "cache": {}, "scheduler": {}}
+    fields: dict[str, dict] = {"": {}, "cache": {}, "scheduler": {}, "speculative": {}}
     for f in ENGINE_FLAGS:
         value = getattr(args, _dest(f.flag))
         group, _, name = f.field.rpartition(".")
@@ -240,6 +285,7 @@ def engine_config_from_args(args: argparse.Namespace):
         **fields[""],
         cache=CacheConfig(**fields["cache"]),
         scheduler=SchedulerConfig(**fields["scheduler"]),
+        speculative=SpeculativeConfig(**fields["speculative"]),
         show_progress=True,
     )
 

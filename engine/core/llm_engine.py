@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.core.connector_calls import layer_hook, save_new_blocks
+from engine.core.connector_calls import layer_hook, save_committed_blocks, save_new_blocks
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.engine_setup import ConnectorFactory, build_parts, start_device
 from engine.core.metrics import EngineMetrics, MetricsSnapshot, StepTimes
@@ -46,6 +46,7 @@ from engine.kvcache.block_pool import BlockListener
 from engine.model.llama import LayerHook
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec.decoder import SpecDecoder
 from engine.structured.grammar import SequenceGrammar
 
 if TYPE_CHECKING:
@@ -116,6 +117,10 @@ class LLMEngine:
             )
         else:
             self.forward = StageStep(self.runner, stage_io, self.device)
+        # Speculative decoding (engine/spec/): whole-model engines only (a stage never decodes).
+        self.spec: SpecDecoder | None = None
+        if self.config.speculative.enabled and self.stage.is_whole:
+            self.spec = SpecDecoder(self.config.speculative, self.eos_token_ids)
         self._ids = itertools.count()
         self.layer_hook: LayerHook | None = None
         self._grammar_compiler: GrammarCompiler | None = None
@@ -315,6 +320,8 @@ class LLMEngine:
         """Schedule, run one forward, sample, and return the outputs of requests that moved."""
         outputs = self.out.take_pending()
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         outputs += self.out.ended(sched.ended)  # a stage's prefix_exact request with no prefix
         if sched.empty:
@@ -328,6 +335,8 @@ class LLMEngine:
         ran = self.forward.run(inputs, hook, self._stage_inputs(inputs.order))
         self._advance(sched, ran)
         outputs += self.out.deliver(ran, time.monotonic())
+        if self.spec is not None:
+            self._commit_drafts(ran)
         t2, t3 = ran.forward_done, ran.sampled_done
         self.step_times.add(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return outputs
@@ -348,6 +357,23 @@ class LLMEngine:
         if self.connector is not None and ran.tokens is not None:  # (a stage sent its layers)
             save_new_blocks(self.connector, self.kv, sched)
         self.num_steps += 1
+
+    def _commit_drafts(self, ran: StepResult) -> None:
+        """After a step's tokens were appended: the kept drafts' KV joins the computed prefix
+        (its full blocks named and handed to the connector), the proposer and each sequence's
+        draft budget learn what was kept, and requests that ended feed the proposer."""
+        assert self.spec is not None
+        for req, proposed, kept in ran.drafts:
+            self.spec.observe(req, proposed, kept)
+            if req.is_finished:
+                continue
+            before = req.num_computed_tokens
+            self.scheduler.commit_drafts(req)
+            if self.connector is not None:
+                save_committed_blocks(self.connector, self.kv, req, before)
+        for req in dict.fromkeys(ran.requests):
+            if req.is_finished and req.finish_reason in ("stop", "length"):
+                self.spec.finished(req)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:

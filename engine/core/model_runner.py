@@ -137,7 +137,8 @@ class ModelRunner:
         pos_parts: list[np.ndarray] = []
         for s in order:
             start = s.request.num_computed_tokens
-            ids.extend(s.request.all_token_ids[start : start + s.num_tokens])
+            ids.extend(s.request.all_token_ids[start : start + s.num_real_tokens])
+            ids.extend(s.spec_tokens)  # drafts run after the last token (speculative decoding)
             pos_parts.append(np.arange(start, start + s.num_tokens, dtype=np.int64))
         positions = np.concatenate(pos_parts)
         # slot = table[pos // bs] * bs + pos % bs, via one padded table for the whole step.
@@ -154,7 +155,16 @@ class ModelRunner:
         )
         ids_np = np.array(ids, dtype=np.int64)
         ends = np.cumsum(lens) - 1
-        sample_np = np.array([ends[r] for r, s in enumerate(order) if s.samples], dtype=np.int64)
+        # The rows that sample: a request's last; with drafts, its last token's and the drafts'.
+        sample_np = np.array(
+            [
+                e
+                for r, s in enumerate(order)
+                if s.samples
+                for e in range(ends[r] - len(s.spec_tokens), ends[r] + 1)
+            ],
+            dtype=np.int64,
+        )
         dev = self.device
         nd = len(decodes)
         bucket = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.core.metrics import EngineMetrics
@@ -63,6 +63,9 @@ class StepResult:
     logprobs: list[TokenLogprob | None] | None
     forward_done: float
     sampled_done: float
+    # Speculative decoding: (request, drafts proposed, drafts kept) of each sequence that
+    # verified drafts; its tokens in ``tokens`` are the kept drafts and one more, in order.
+    drafts: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -108,7 +111,8 @@ class OutputProcessor:
                 self.finish(req, STAGE_DONE)
         else:
             for req, token, lp in zip(ran.requests, ran.tokens, ran.logprobs):
-                self.append(req, token, lp, now)
+                if not req.is_finished:  # (a stop among a step's kept drafts ends the rest)
+                    self.append(req, token, lp, now)
         return self.outputs_of(ran.requests)
 
     def end(self, parent: Parent) -> None:

@@ -51,6 +51,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.skip_kv_connector = False  # a load from the connector failed: recompute instead
+        # Speculative decoding (engine/spec/): this step's draft tokens (set before scheduling,
+        # never in all_token_ids; those kept are appended as output) and the sequence's
+        # proposer state and draft budget (engine/spec/decoder.py SeqSpec), made on first use.
+        self.spec_token_ids: list[int] = []
+        self.spec = None
         # Pipeline stages (engine/core/stage_io.py). ``ready_tokens``: the prompt tokens whose
         # stage inputs (the stage before's hidden states) are here, None: all; the scheduler
         # never runs the request past it, and the caller raises it as inputs arrive.

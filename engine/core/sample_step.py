@@ -12,10 +12,11 @@ import torch
 from engine.core.model_runner import ModelRunner, StepInputs
 from engine.core.output_processor import StepResult
 from engine.core.prompt_logprobs import fill_prompt_logprobs, rows_wanted
-from engine.core.sampler import Sampler, SamplingBatch
+from engine.core.sampler import Sampler, SamplingBatch, is_greedy
 from engine.core.step_clock import step_clock
 from engine.model.llama import LayerHook
-from engine.structured.grammar import step_bitmask
+from engine.spec.verify import accept, draft_rows, mark_generators, rewind
+from engine.structured.grammar import draft_bitmask, step_bitmask
 
 
 class SampleStep:
@@ -48,6 +49,8 @@ class SampleStep:
             logits = self.runner.execute(inputs, hook, hidden=hidden_in)
         del hidden_in
         forward_done = step_clock(self.device)
+        if any(s.spec_tokens for s in inputs.order):
+            return self._verify(logits, inputs, forward_done)
         sampling = [s.request for s in inputs.order if s.samples]
         grammars = [r.grammar for r in sampling]
         bitmask = None
@@ -66,4 +69,40 @@ class SampleStep:
         sampled = self.sampler(logits, batch)  # its .tolist() waits for the device
         return StepResult(
             sampling, sampled.token_ids, sampled.logprobs, forward_done, time.perf_counter()
+        )
+
+    def _verify(self, logits: torch.Tensor, inputs: StepInputs, forward_done: float) -> StepResult:
+        """A step with drafts (engine/spec/verify.py): every row of a sequence with drafts is
+        sampled as decoding samples its position, then each sequence keeps its drafts up to
+        the first the sampled tokens disagree with, and one sampled token more."""
+        sampling = [s for s in inputs.order if s.samples]
+        rows = draft_rows([s.request for s in sampling], [s.spec_tokens for s in sampling])
+        row_reqs, outputs = rows.per_row()
+        bitmask = None
+        if any(r.grammar is not None for r in rows.requests):
+            grammars = [r.grammar for r in rows.requests]
+            bitmask = draft_bitmask(grammars, rows.drafts, self.vocab_size)
+        batch = SamplingBatch.build(
+            [r.params for r in row_reqs],
+            [r.generator for r in row_reqs],
+            [r.prompt_token_ids for r in row_reqs],
+            outputs,
+            self.vocab_size,
+            self.device,
+            eos_token_ids=self.eos_token_ids,
+            bitmask=bitmask,
+        )
+        marks = mark_generators(rows, [not is_greedy(r.params) for r in rows.requests])
+        sampled = self.sampler(logits, batch)
+        verified = accept(rows, sampled.token_ids, sampled.logprobs)
+        for i, mark in marks.items():
+            if verified.emitted[i] < len(rows.drafts[i]) + 1:  # rows past a mismatch drew too
+                rewind(mark, verified.emitted[i], self.vocab_size, self.device)
+        return StepResult(
+            verified.requests,
+            verified.tokens,
+            verified.logprobs,
+            forward_done,
+            time.perf_counter(),
+            verified.drafts(rows),
         )

@@ -53,7 +53,7 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return generator
 
 
-def _is_greedy(p: SamplingParams) -> bool:
+def is_greedy(p: SamplingParams) -> bool:
     return p.temperature < GREEDY_TEMPERATURE or p.top_k == 1
 
 
@@ -125,7 +125,7 @@ class SamplingBatch:
         n = len(params)
         if not (len(generators) == len(prompt_token_ids) == len(output_token_ids) == n):
             raise ValueError("params, generators, prompt and output token lists differ in length")
-        greedy = [_is_greedy(p) for p in params]
+        greedy = [is_greedy(p) for p in params]
         for i, p in enumerate(params):
             if p.seed is not None and generators[i] is None and not greedy[i]:
                 raise ValueError(f"row {i} has seed={p.seed} but no generator")

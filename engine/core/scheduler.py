@@ -118,6 +118,10 @@ class Scheduler:
             if num <= 0:
                 i += 1  # nothing ready (a pipeline stage): the others still run
                 continue
+            drafts: list[int] = []
+            if num == 1 and req.spec_token_ids:  # a decode: its drafts run after its token
+                drafts = req.spec_token_ids[: budget - 1]
+                num += len(drafts)
             while not self.kv.allocate(req, num):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -125,7 +129,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num))
+                out.scheduled.append(ScheduledRequest(req, num, drafts))
                 budget -= num
                 i += 1
                 continue
@@ -227,6 +231,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -235,7 +240,20 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed counts after the forward ran; name newly full blocks."""
+        """Advance computed counts after the forward ran; name newly full blocks. Drafts are
+        not counted: the step commits those kept once they are output (commit_drafts)."""
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
+            s.request.num_computed_tokens += s.num_real_tokens
             self.kv.cache_computed_blocks(s.request)
+
+    def commit_drafts(self, req: Request) -> int:
+        """After a step that verified drafts of the running ``req`` and appended what it kept:
+        the kept drafts' KV is computed (everything but the new last token), their full blocks
+        are named, and blocks past the next token's are freed (the rejected drafts' rows in them
+        are never read: a later step writes those positions again). Returns the tokens
+        committed."""
+        kept = req.num_tokens - 1 - req.num_computed_tokens
+        req.num_computed_tokens += kept
+        self.kv.cache_computed_blocks(req)
+        self.kv.trim(req, req.num_tokens)
+        return kept

@@ -13,11 +13,20 @@ from engine.core.request import Request
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens to run this step, from request.num_computed_tokens on
+    # Draft tokens run after the request's last token (speculative decoding; engine/spec/):
+    # the last len(spec_tokens) of num_tokens, not in request.all_token_ids.
+    spec_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_real_tokens(self) -> int:
+        """The tokens of the request's own (num_tokens without the drafts)."""
+        return self.num_tokens - len(self.spec_tokens)
 
     @property
     def samples(self) -> bool:
-        """True when this step reaches the end of the request's tokens, so it yields a token."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        """True when this step reaches the end of the request's tokens, so it yields a token
+        (one per row from its last token on, with drafts)."""
+        return self.request.num_computed_tokens + self.num_real_tokens == self.request.num_tokens
 
 
 @dataclass

@@ -126,6 +126,19 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i], req.all_token_ids[i * bs : (i + 1) * bs])
         self._num_cached_blocks[req.request_id] = num_full
 
+    def trim(self, req: CacheableRequest, num_tokens: int) -> int:
+        """Free req's blocks past those that hold its first ``num_tokens`` tokens (blocks a
+        step allocated for draft tokens it did not keep; never a named one). Returns how many."""
+        table = self.block_tables.get(req.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return 0
+        assert keep >= self._num_cached_blocks.get(req.request_id, 0)
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(extra))
+        return len(extra)
+
     def free(self, req: CacheableRequest) -> None:
         table = self.block_tables.pop(req.request_id, [])
         self.pool.free(reversed(table))

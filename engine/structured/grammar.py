@@ -32,6 +32,22 @@ class SequenceGrammar:
     def replay(self, token_ids: Sequence[int]) -> bool:
         return all(self.accept(t) for t in token_ids)
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative drafts)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` the grammar accepts in a row from here (nothing after it
+        terminates); the matcher is left as it was."""
+        n = 0
+        for t in token_ids:
+            if self.terminated or not self.accept(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
     @property
     def terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
@@ -56,6 +72,40 @@ def step_bitmask(
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
     for i in rows:
         grammars[i].matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask, rows
+
+
+def draft_bitmask(
+    grammars: Sequence[SequenceGrammar | None],
+    drafts: Sequence[Sequence[int]],
+    vocab_size: int,
+) -> tuple[torch.Tensor, list[int]] | None:
+    """The bitmask of a step whose sequences verify drafts: sequence ``i`` has
+    ``len(drafts[i]) + 1`` rows, row ``j`` masked by the grammar's state after the sequence's
+    first ``j`` drafts (which its grammar accepts: SpecDecoder keeps only such). The matchers
+    are left as they were. None when no sequence has a grammar."""
+    if all(g is None or g.terminated for g in grammars):
+        return None
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), vocab_size)
+    rows, row = [], 0
+    for g, d in zip(grammars, drafts, strict=True):
+        if g is None or g.terminated:
+            row += len(d) + 1
+            continue
+        taken = 0
+        for j in range(len(d) + 1):
+            if g.terminated:  # a draft ended it: the rows after it are never kept
+                break
+            g.matcher.fill_next_token_bitmask(bitmask, row + j)
+            rows.append(row + j)
+            if j < len(d):
+                if not g.accept(d[j]):
+                    raise ValueError(f"draft token {d[j]} is not allowed by its grammar")
+                taken += 1
+        g.rollback(taken)
+        row += len(d) + 1
     return bitmask, rows
 
 

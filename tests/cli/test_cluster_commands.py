@@ -28,6 +28,7 @@ VALUES = {
     "--device": "cpu",
     "--block-size": "32",
     "--gpu-memory-utilization": "0.45",  # in (0, 1]
+    "--prompt-lookup-min": "3",  # <= --prompt-lookup-max
     "--rope-scaling": '{"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 8}',
 }
 
