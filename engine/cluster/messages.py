@@ -97,6 +97,7 @@ class Heartbeat(Message, kind="heartbeat"):
     step_batch: float = 0.0
     step_tokens: float = 0.0
     hidden_bytes_sent: int = 0  # a group's stage: hidden-state bytes sent to the next stage
+    spec: dict = field(default_factory=dict)  # its engine's speculative decoding counters
 
 
 class Goodbye(Message, kind="goodbye"):

@@ -412,6 +412,7 @@ class LLMEngine:
             prefix_hits=self.kv.prefix_hits,
             preemptions=self.scheduler.num_preemptions,
             kv_pool=self.connector.stats() if self.connector is not None else None,
+            spec=self.spec.stats.snapshot() if self.spec is not None else None,
         )
 
     def check_integrity(self) -> None:

@@ -72,6 +72,7 @@ class EngineMetrics:
         prefix_hits: int = 0,
         preemptions: int = 0,
         kv_pool: dict | None = None,
+        spec: dict | None = None,
     ) -> MetricsSnapshot:
         """The counters and histograms now, with the gauges the caller reads live."""
         with self.lock:
@@ -97,6 +98,7 @@ class EngineMetrics:
                 queue_time=self.queue_time.cumulative(),
                 queue_time_sum=self.queue_time.total,
                 kv_pool=kv_pool or {},
+                spec=spec or {},
             )
 
 
@@ -147,3 +149,5 @@ class MetricsSnapshot:
     queue_time: list[tuple[float, int]]
     queue_time_sum: float
     kv_pool: dict = field(default_factory=dict)  # the KV connector's stats, when there is one
+    # Speculative decoding's counters (engine/spec/decoder.py SpecStats), when it is on.
+    spec: dict = field(default_factory=dict)

@@ -120,6 +120,7 @@ class EngineCollector(Collector):
             s.queue_time,
             s.queue_time_sum,
         )
+        yield from spec_metrics(s.spec, self.model_name)
         yield cpu_isa_metric(self.model_name)
         yield from pool_metrics(s.kv_pool, self.model_name)
         workers = getattr(self.llm, "workers_status", None)  # a cluster's router
@@ -193,3 +194,36 @@ def make_registry(collector: EngineCollector) -> CollectorRegistry:
 
 def render(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
+
+
+def spec_metrics(spec: dict, model_name: str) -> Iterator[Metric]:
+    """Speculative decoding's counters, as vLLM names them (``spec_decode_num_drafts`` is the
+    verifications: a sequence with drafts in a step), and the mean tokens a verifying sequence
+    gets per step (its kept drafts and the model's own token). Nothing when it is off."""
+    if not spec:
+        return
+    lv = [model_name]
+    for name, key, doc in (
+        ("spec_decode_num_drafts", "verifications", "Sequence steps that verified drafts."),
+        ("spec_decode_num_draft_tokens", "proposed", "Draft tokens proposed."),
+        ("spec_decode_num_accepted_tokens", "accepted", "Draft tokens accepted."),
+    ):
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric(lv, spec[key])
+        yield c
+    per = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Verifications that kept at least position + 1 drafts.",
+        labels=["model_name", "position"],
+    )
+    for i, n in enumerate(spec["accepted_per_position"]):
+        per.add_metric([model_name, str(i)], n)
+    yield per
+    g = GaugeMetricFamily(
+        PREFIX + "spec_decode_mean_accepted_length",
+        "Tokens a verifying sequence got per step, on average since start (kept drafts + 1).",
+        labels=["model_name"],
+    )
+    n = spec["verifications"]
+    g.add_metric(lv, 1.0 + spec["accepted"] / n if n else 0.0)
+    yield g

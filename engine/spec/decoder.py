@@ -10,35 +10,13 @@ step then commits the kept drafts' KV (``LLMEngine._commit_drafts``) and tells `
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from engine.config import SpeculativeConfig
 from engine.core.request import Request
 from engine.spec.adaptive import DraftBudget
 from engine.spec.proposer import Proposer, make_proposer
-
-
-@dataclass
-class SpecStats:
-    """Counters since start: verifications (one per sequence and step with drafts), tokens
-    proposed and accepted, and how many verifications kept each number of drafts."""
-
-    verifications: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [i]: kept >= i + 1 drafts
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def snapshot(self) -> dict:
-        with self.lock:
-            return {
-                "verifications": self.verifications,
-                "proposed": self.proposed,
-                "accepted": self.accepted,
-                "accepted_per_position": list(self.accepted_per_position),
-            }
+from engine.spec.stats import SpecStats
 
 
 class SeqSpec:

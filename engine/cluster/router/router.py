@@ -37,6 +37,7 @@ from engine.kvstore.block_events import BlockEvent
 from engine.model.loader import open_checkpoint
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec.stats import sum_spec_stats
 
 if TYPE_CHECKING:
     from engine.structured.compiler import GrammarCompiler
@@ -190,6 +191,7 @@ class Router:
             num_running=sum(w.hb.running for w in ws),
             num_waiting=sum(w.hb.waiting for w in ws),
             kv_usage=max((w.hb.kv_usage for w in ws if w.role == "decode"), default=0.0),
+            spec=sum_spec_stats([w.hb.spec for w in ws]),
         )
 
     async def shutdown(self, timeout: float = 30.0) -> None:

@@ -130,6 +130,7 @@ class Presence:
             used_blocks=int(e.kv.pool.counts().used),
             transfers=self.role.num_requests,
             finished=finished,
+            spec=e.spec.stats.snapshot() if e.spec is not None else {},
             **self.role.heartbeat(),
         )
 
