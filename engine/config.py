@@ -4,8 +4,9 @@ Every config validates itself in ``__post_init__`` and raises ``ValueError`` nam
 and the limit, so a bad setting fails where it is made, not deep inside a forward pass.
 
 A leaf: plain values only, no torch, and nothing of ``engine/`` but the plain-value modules
-``pipeline_stage.py`` and ``pool_spec.py`` (tests/test_config.py checks it). What the values
-resolve to on this machine (``device="auto"``, ``dtype="auto"``): engine/core/device_resolution.py.
+``pipeline_stage.py``, ``pool_spec.py`` and ``speculative_config.py`` (tests/test_config.py checks
+it; SpeculativeConfig is re-exported here). What the values resolve to on this machine
+(``device="auto"``, ``dtype="auto"``): engine/core/device_resolution.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from engine.pipeline_stage import WHOLE_MODEL, PipelineStage
 from engine.pool_spec import PoolSpec, parse_pool_spec
+from engine.speculative_config import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -325,58 +327,6 @@ class SchedulerConfig:
         return replace(self, max_num_batched_tokens=default)
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Draftless speculative decoding (engine/spec/): ``method`` None is off; "ngram" proposes the
-    tokens that followed the latest earlier occurrence of the sequence's last n tokens (n from
-    ``prompt_lookup_max`` down to ``prompt_lookup_min``: vLLM's prompt lookup); "suffix" follows
-    the most frequent continuation of the longest matching suffix, in the request's own tokens
-    and in the outputs of the last ``suffix_cache_requests`` requests (suffix decoding). At most
-    ``num_speculative_tokens`` are proposed per sequence and step; ``adaptive`` lowers a
-    sequence's number as its proposals are rejected, down to none, and raises it as they are
-    accepted. Verification keeps the target distribution exactly (engine/spec/verify.py)."""
-
-    method: str | None = None
-    num_speculative_tokens: int = 5
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    suffix_cache_requests: int = 256
-    suffix_max_depth: int = 24
-    suffix_min_token_prob: float = 0.1
-    adaptive: bool = True
-
-    def __post_init__(self) -> None:
-        if self.method is not None and self.method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (or none), "
-                f"got {self.method!r}"
-            )
-        if not 1 <= self.num_speculative_tokens <= 32:
-            raise ValueError(
-                f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}"
-            )
-        _positive("prompt_lookup_min", self.prompt_lookup_min)
-        if self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError(
-                f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
-                f"({self.prompt_lookup_min})"
-            )
-        _positive("suffix_cache_requests", self.suffix_cache_requests)
-        if not 2 <= self.suffix_max_depth <= 64:
-            raise ValueError(f"suffix_max_depth must be in [2, 64], got {self.suffix_max_depth}")
-        if not 0.0 <= self.suffix_min_token_prob < 1.0:
-            raise ValueError(
-                f"suffix_min_token_prob must be in [0, 1), got {self.suffix_min_token_prob}"
-            )
-
-    @property
-    def enabled(self) -> bool:
-        return self.method is not None
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance needs. ``model``: "default" or a GGUF file or HF dir."""
@@ -452,10 +402,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.stage, PipelineStage):
             raise ValueError(f"stage must be a PipelineStage, got {self.stage!r}")
-        if self.speculative.enabled and not self.stage.is_whole:
-            raise ValueError(
-                f"speculative decoding needs the whole model, not pipeline stage {self.stage}"
-            )
         if self.kv_pool is not None and not self.stage.is_whole:
             raise ValueError(
                 f"pipeline stages run without a KV pool (stage {self.stage}, "

@@ -49,7 +49,7 @@ class LLM:
         speculative_config: SpeculativeConfig | dict | None = None,
     ) -> None:
         if isinstance(speculative_config, dict):
-            speculative_config = SpeculativeConfig(**speculative_config)
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(
             model=model,
             dtype=dtype,

@@ -36,8 +36,6 @@ import json
 import os
 import random
 import shlex
-import signal
-import subprocess
 import sys
 import time
 
@@ -46,6 +44,7 @@ import numpy as np
 
 from engine.bench.machine import ceilings
 from engine.bench.serve import load_tokenizer
+from engine.bench.servers import Server, chat_ids, gguf_file, thread_env
 from engine.bench.summary import median_over_rounds, round_order
 from engine.bench.workload import WORDS
 from engine.ipc.ports import free_port
@@ -56,14 +55,6 @@ LONG_BODY = 7900  # tokens of a ``long`` prompt's text (re-encoded in the chat t
 
 
 # -- workloads ------------------------------------------------------------------------------------
-
-
-def chat_ids(tok, system: str | None, user: str) -> list[int]:
-    msgs = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": user}
-    ]
-    text = tok.apply_chat_template(msgs, add_generation_prompt=True)
-    return tok.encode(text, add_special_tokens=False)
 
 
 def workload(name: str, tok, seed: int, scale: float) -> tuple[list[list[int]], int, int]:
@@ -188,57 +179,6 @@ def summarize(results: list[dict], duration: float) -> dict:
 # -- servers --------------------------------------------------------------------------------------
 
 
-class Server:
-    """A server process started for the run and killed (its whole group) when done."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict, log: str) -> None:
-        self.name, self.cmd, self.port = name, cmd, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log, "w")  # noqa: SIM115 (closed in stop)
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            self._wait_healthy(600)
-        except BaseException:
-            self.stop()
-            raise
-        self.start_s = time.perf_counter() - t0
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode}; log {self.log.name}"
-                )
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.name} not healthy in {timeout:.0f} s; log {self.log.name}")
-
-    def model_id(self) -> str:
-        return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-
-def thread_env(threads: int) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-
-
 def start_engine(args, gguf: str, name: str = "engine", extra: str | None = None) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "engine", "serve", "--model", args.model, "--port", str(port)]
@@ -304,17 +244,6 @@ def hf_load_run(model, prompts, out_len: int, pad_id: int, batch: int) -> dict:
 
 
 # -- the run --------------------------------------------------------------------------------------
-
-
-def gguf_file(model: str) -> str:
-    from engine.model.loader import resolve_model_path
-
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        path = os.path.join(path, next(f for f in sorted(os.listdir(path)) if f.endswith(".gguf")))
-    if not path.endswith(".gguf"):
-        raise SystemExit(f"bench_peer needs a GGUF model (llama-server loads only those): {path}")
-    return path
 
 
 def param_count(gguf: str) -> int:

@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine.config",
             "engine.pipeline_stage",
             "engine.pool_spec",
+            "engine.speculative_config",
             "engine.errors",
             "engine.outputs",
             "engine.sampling_params",
@@ -35,14 +36,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("engine.model",)),
     ("where KV lives; grammars", ("engine.kvcache", "engine.kvstore", "engine.structured")),
     # The seam speaks the core's request types (and a request holds its detokenizer); they
-    # import nothing above themselves.
+    # import nothing above themselves. Speculative decoding's parts (proposers, draft budgets,
+    # the accept rule) work on those requests too, and the core's step calls them.
     (
-        "the KV-connector seam",
+        "the KV-connector seam; speculative decoding",
         (
             "engine.kv_connector",
             "engine.core.request",
             "engine.core.scheduler_output",
             "engine.core.detokenizer",
+            "engine.spec",
         ),
     ),
     ("public API and core", ("engine", "engine.llm", "engine.async_llm", "engine.core")),

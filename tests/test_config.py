@@ -19,7 +19,8 @@ from engine.pipeline_stage import PipelineStage
 from engine.pool_spec import PoolSpec, parse_pool_spec
 
 ROOT = Path(__file__).resolve().parent.parent
-LEAVES = {"engine.pipeline_stage", "engine.pool_spec"}  # what config.py may import of engine/
+# what config.py may import of engine/
+LEAVES = {"engine.pipeline_stage", "engine.pool_spec", "engine.speculative_config"}
 
 
 def test_config_imports_only_plain_value_leaves():
@@ -75,3 +76,23 @@ def test_bad_kv_pool_and_stage_fail_where_the_config_is_made():
         EngineConfig(kv_pool="dram=lots")
     with pytest.raises(ValueError, match="pipeline stages run without a KV pool"):
         EngineConfig(kv_pool="dram=1GiB", stage=PipelineStage(0, 2))
+
+
+def test_speculative_config_names_the_bad_field():
+    from engine.config import SpeculativeConfig
+
+    assert not SpeculativeConfig().enabled and SpeculativeConfig(method="ngram").enabled
+    for kwargs, field in (
+        ({"method": "eagle"}, "speculative method"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 33}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 0}, "prompt_lookup_min"),
+        ({"prompt_lookup_min": 5, "prompt_lookup_max": 4}, "prompt_lookup_max"),
+        ({"suffix_cache_requests": 0}, "suffix_cache_requests"),
+        ({"suffix_min_token_prob": 1.0}, "suffix_min_token_prob"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            SpeculativeConfig(**kwargs)
+    with pytest.raises(ValueError, match="speculative_config: unknown field 'k'"):
+        SpeculativeConfig.from_dict({"method": "ngram", "k": 3})
+    assert SpeculativeConfig.from_dict({"method": "suffix"}) == SpeculativeConfig(method="suffix")

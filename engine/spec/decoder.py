@@ -15,8 +15,20 @@ from collections.abc import Iterable
 from engine.config import SpeculativeConfig
 from engine.core.request import Request
 from engine.spec.adaptive import DraftBudget
-from engine.spec.proposer import Proposer, make_proposer
+from engine.spec.ngram import NgramProposer
+from engine.spec.proposer import Proposer
 from engine.spec.stats import SpecStats
+from engine.spec.suffix import SuffixProposer
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(
+            config.suffix_max_depth, config.suffix_cache_requests, config.suffix_min_token_prob
+        )
+    raise ValueError(f"speculative method: no proposer for {config.method!r}")
 
 
 class SeqSpec:

@@ -1,12 +1,11 @@
-"""The proposer seam: given a sequence's tokens, guess up to ``k`` tokens that follow."""
+"""The proposer seam: given a sequence's tokens, guess up to ``k`` tokens that follow
+(engine/spec/decoder.py ``make_proposer`` picks one of ngram.py, suffix.py)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
-
-from engine.config import SpeculativeConfig
 
 
 class Proposer(ABC):
@@ -26,17 +25,3 @@ class Proposer(ABC):
         self, state: Any, tokens: Sequence[int], num_prompt_tokens: int
     ) -> None:
         """A sequence ended normally (its output may help later ones). Default: nothing."""
-
-
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    if config.method == "ngram":
-        from engine.spec.ngram import NgramProposer
-
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.method == "suffix":
-        from engine.spec.suffix import SuffixProposer
-
-        return SuffixProposer(
-            config.suffix_max_depth, config.suffix_cache_requests, config.suffix_min_token_prob
-        )
-    raise ValueError(f"speculative method: no proposer for {config.method!r}")

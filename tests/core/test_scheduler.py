@@ -253,3 +253,48 @@ def test_step_budget_defaults_per_device_and_the_scheduler_takes_a_number():
         SchedulerConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens: the Scheduler takes a number"):
         Scheduler(unset, KVCacheManager(8, 4))
+
+
+def test_drafts_ride_with_a_decode_within_the_budget_and_only_kept_ones_commit():
+    kv = KVCacheManager(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6, max_num_seqs=8), kv)
+    req = make("a", [1, 2, 3, 4, 5], max_tokens=20)
+    sched.add_request(req)
+    sim_step(sched, [])  # the prompt, and its first token
+    assert (req.num_computed_tokens, req.num_tokens) == (5, 6)
+    req.spec_token_ids = [9, 9, 9, 9, 9, 9, 9]
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert s.spec_tokens == [9] * 5 and s.num_tokens == 6  # cut to the step's budget
+    assert s.num_real_tokens == 1 and s.samples
+    assert len(kv.block_tables["a"]) == 3  # room for positions 5..10
+    sched.update_after_step(out)
+    assert req.num_computed_tokens == 6  # the drafts are not computed yet
+    for t in (9, 9, 4):  # two drafts kept, then the model's own token
+        req.append_token(t)
+    assert sched.commit_drafts(req) == 2
+    assert req.num_computed_tokens == 8 and req.num_tokens == 9
+    assert len(kv.block_tables["a"]) == 3  # positions 0..8 need all three blocks
+    # The blocks whose tokens are all computed are named by the tokens really output.
+    assert kv._num_cached_blocks["a"] == 2
+    req.spec_token_ids = [1, 1, 1, 1, 1]
+    out = sched.schedule()
+    sched.update_after_step(out)
+    req.append_token(3)  # none kept: the blocks past the next token's are freed
+    assert sched.commit_drafts(req) == 0
+    assert len(kv.block_tables["a"]) == 3
+    kv.check_integrity()
+    sched.finish(req, "abort")
+    assert kv.pool.num_free == kv.num_blocks
+
+
+def test_a_preempted_request_loses_its_drafts():
+    kv = KVCacheManager(8, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), kv)
+    a, b = make("a", list(range(10)), 8), make("b", list(range(12)), 8)
+    sched.add_request(a)
+    sched.add_request(b)
+    sim_step(sched, [])
+    a.spec_token_ids = b.spec_token_ids = [5] * 6
+    out = sched.schedule()  # 32 slots: both cannot grow by 7 tokens
+    assert out.preempted and out.preempted[0].spec_token_ids == []

@@ -104,3 +104,30 @@ def test_apply_bitmask_equals_xgrammars_kernel(rows):
     xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=VOCAB, indices=rows)
     assert torch.equal(ours, theirs)
     assert bool(torch.isneginf(ours[rows]).any())
+
+
+def test_drafts_valid_prefix_and_their_rows_masks(setup):
+    """``valid_prefix`` counts the drafts a grammar accepts in a row and leaves the matcher as
+    it was; ``draft_bitmask`` gives row j the mask after the first j drafts (as a matcher fed
+    them one by one gives), leaves the matcher as it was, and leaves rows without a grammar out."""
+    from engine.structured.grammar import draft_bitmask
+
+    tok, _ = setup
+    eos = tok.eos_token_ids[0]
+    so = {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
+    good = tok.encode('{"a": 12}')
+    g = grammar(setup, **so)
+    assert g.valid_prefix([*good, eos, eos]) == len(good) + 1  # nothing after it terminates
+    assert g.valid_prefix([*good[:2], tok.encode("hello")[0], *good[2:]]) == 2
+    assert not g.completed and g.replay(good) and g.completed  # unchanged by the checks
+    g = grammar(setup, **so)
+    drafts = good[:3]
+    bitmask, rows = draft_bitmask([None, g], [[5, 6], drafts], VOCAB)
+    assert rows == [3, 4, 5, 6]  # the unconstrained sequence's three rows are not listed
+    step = grammar(setup, **so)
+    for j in range(len(drafts) + 1):
+        want, _ = step_bitmask([step], VOCAB)
+        assert allowed(bitmask, 3 + j) == allowed(want, 0)
+        if j < len(drafts):
+            assert step.accept(drafts[j])
+    assert g.replay(good) and g.completed  # the matcher was rolled back
