@@ -309,8 +309,8 @@ def systems(args, gguf: str) -> list[tuple[str, object]]:
 def table(rows: dict, workload_name: str, batch: int, label: str = "") -> None:
     own = rows.get("engine")
     llama = [s for s in rows if s.startswith("llama-server ")]
-    best = max(llama, key=lambda s: rows[s]["decode_tok_s"], default=None)
     key = "decode_tok_s" if batch == 1 else "output_tok_s"
+    best = max(llama, key=lambda s: rows[s][key], default=None)
     print(f"\n{workload_name}, batch {batch}{label} ({key.replace('_', ' ')} compared):")
     print("| system | decode tok/s | output tok/s | mean output | vs engine | vs llama best |")
     print("| --- | --- | --- | --- | --- | --- |")
