@@ -16,6 +16,7 @@ from engine.cluster.worker.worker_config import WorkerConfig
 from engine.config import EngineConfig
 from engine.kvstore.block_events import EVENT_KEYS, BlockEvent
 from engine.pipeline_stage import PipelineStage
+from engine.spec.stats import SpecStats
 
 WAIT_S = 20.0
 
@@ -38,6 +39,7 @@ def stub_engine():
         metrics=SimpleNamespace(lock=threading.Lock(), finished={"stop": 1}),
         scheduler=SimpleNamespace(running=[1], waiting=[1, 2], loading=[3]),
         kv=SimpleNamespace(usage=lambda: 0.25, pool=SimpleNamespace(counts=lambda: counts)),
+        spec=SimpleNamespace(stats=SpecStats(3, 12, 7, [3, 2, 2])),  # speculative decoding's
     )
 
 
@@ -66,6 +68,12 @@ def test_registration_and_heartbeat_carry_the_worker_and_its_role(presence):
     assert (hb.kv_usage, hb.used_blocks) == (0.25, 5)
     assert (hb.transfers, hb.finished) == (3, {"stop": 1})
     assert (hb.staging_used, hb.steps, hb.step_s) == (4096, 2, 0.5)
+    assert hb.spec == {
+        "verifications": 3,
+        "proposed": 12,
+        "accepted": 7,
+        "accepted_per_position": [3, 2, 2],
+    }
 
 
 def test_block_events_go_out_in_runs_of_one_kind(presence):
