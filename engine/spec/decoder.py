@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from engine.config import SpeculativeConfig
 from engine.core.request import Request
-from engine.spec.adaptive import DraftBudget
+from engine.spec.adaptive import BUSY_BATCH, DraftBudget
 from engine.spec.ngram import NgramProposer
 from engine.spec.proposer import Proposer
 from engine.spec.stats import SpecStats
@@ -61,15 +61,19 @@ class SpecDecoder:
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set each running request's drafts for the coming step ([] for most)."""
-        for req in running:
+        running = list(running)
+        decoding = [r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens > 0
+                    for r in running]  # fmt: skip
+        busy = sum(decoding) > BUSY_BATCH
+        for req, decodes in zip(running, decoding, strict=True):
             req.spec_token_ids = []
-            if req.num_computed_tokens != req.num_tokens - 1 or req.num_output_tokens == 0:
+            if not decodes:
                 continue  # not decoding: its prompt (or a recompute) is still running
             room = req.params.max_tokens - req.num_output_tokens - 1  # the model adds one
             if room <= 0:
                 continue
             seq = self._seq(req)
-            k = min(seq.budget.allowed(), room)
+            k = min(seq.budget.allowed(busy), room)
             if k <= 0:
                 continue
             drafts = self.proposer.propose(seq.state, req.all_token_ids, k)

@@ -3,7 +3,7 @@ at none, and fixed when not adaptive."""
 
 from __future__ import annotations
 
-from engine.spec.adaptive import MAX_PAUSE, DraftBudget
+from engine.spec.adaptive import BUSY_MIN_RATE, MAX_PAUSE, DraftBudget
 
 
 def test_all_kept_raises_some_kept_sets_none_kept_halves():
@@ -41,3 +41,16 @@ def test_not_adaptive_keeps_the_maximum():
     for _ in range(10):
         b.observe(5, 0)
     assert b.allowed() == 5
+
+
+def test_a_busy_step_takes_drafts_only_from_sequences_that_keep_most():
+    good, poor = DraftBudget(5), DraftBudget(5)
+    for _ in range(3):
+        good.observe(5, 4)
+        poor.observe(5, 1)
+    assert good.rate >= BUSY_MIN_RATE > poor.rate
+    assert good.allowed(busy=True) == 5 and poor.allowed(busy=True) == 0
+    assert poor.allowed(busy=False) == 2  # alone or in a light step it still proposes
+    fixed = DraftBudget(5, adaptive=False)
+    fixed.observe(5, 0)
+    assert fixed.allowed(busy=True) == 5
