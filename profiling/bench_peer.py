@@ -44,7 +44,7 @@ import numpy as np
 
 from engine.bench.machine import ceilings
 from engine.bench.serve import load_tokenizer
-from engine.bench.servers import Server, chat_ids, gguf_file, thread_env
+from engine.bench.servers import Server, chat_ids, gguf_file, stream_completion, thread_env
 from engine.bench.summary import median_over_rounds, round_order
 from engine.bench.workload import WORDS
 from engine.ipc.ports import free_port
@@ -114,33 +114,7 @@ def trace_workload(conversations: int, salt: int) -> list[list[int]]:
 
 
 async def one_request(client, model: str, prompt: list[int], out_len: int) -> dict:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": out_len,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    ttft, chunks, usage = None, 0, None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"].get("completion_tokens")
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-    e2e = time.perf_counter() - t0
-    out = usage or chunks
-    return {"ttft": ttft or e2e, "e2e": e2e, "out": out}
+    return await stream_completion(client, model, prompt, out_len, ignore_eos=True)
 
 
 async def http_load(url: str, model: str, prompts, out_len: int, concurrency: int) -> dict:

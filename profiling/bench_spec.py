@@ -39,7 +39,7 @@ import time
 import httpx
 
 from engine.bench.serve import load_tokenizer
-from engine.bench.servers import Server, chat_ids, gguf_file, thread_env
+from engine.bench.servers import Server, chat_ids, gguf_file, stream_completion, thread_env
 from engine.bench.summary import median_over_rounds, round_order
 from engine.bench.workload import WORDS
 from engine.ipc.ports import free_port
@@ -214,44 +214,17 @@ def prompts_of(name: str, tok, seed: int) -> tuple[list[list[int]], int, bool]:
 # -- one load ------------------------------------------------------------------------------------
 
 
-async def one(client, model: str, prompt: list[int], max_tokens: int, ignore_eos: bool) -> dict:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": ignore_eos,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    ttft, usage, text = None, None, []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"].get("completion_tokens")
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                text.append(chunk["choices"][0]["text"])
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-    e2e = time.perf_counter() - t0
-    return {"ttft": ttft or e2e, "e2e": e2e, "out": usage or 0, "text": "".join(text)}
-
-
 async def load(url: str, model: str, prompts, max_tokens: int, ignore_eos: bool, conc: int):
     limits = httpx.Limits(max_connections=conc, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
-        await one(client, model, prompts[0][:64], 4, True)  # warm-up, outside the figures
+        await stream_completion(
+            client, model, prompts[0][:64], 4, True
+        )  # warm-up, outside the figures
         sem = asyncio.Semaphore(conc)
 
         async def run(p):
             async with sem:
-                return await one(client, model, p, max_tokens, ignore_eos)
+                return await stream_completion(client, model, p, max_tokens, ignore_eos)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(run(p) for p in prompts))

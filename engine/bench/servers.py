@@ -1,9 +1,11 @@
 """What the peer benchmarks (profiling/bench_peer.py, profiling/bench_spec.py) share: a server
 process started for a run and stopped with its whole group, the thread-count environment every
-system gets, the model's GGUF (llama-server loads only those), and chat-formatted prompt ids."""
+system gets, the model's GGUF (llama-server loads only those), chat-formatted prompt ids, and one
+streamed greedy completion timed as the client sees it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -80,3 +82,36 @@ def gguf_file(model: str) -> str:
     if not path.endswith(".gguf"):
         raise SystemExit(f"bench_peer needs a GGUF model (llama-server loads only those): {path}")
     return path
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, ignore_eos: bool
+) -> dict:
+    """One streamed greedy /v1/completions request: time to its first text, end to end, output
+    tokens (the usage, else the chunks with text) and the text."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft, usage, text = None, None, []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"].get("completion_tokens")
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                text.append(chunk["choices"][0]["text"])
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    e2e = time.perf_counter() - t0
+    return {"ttft": ttft or e2e, "e2e": e2e, "out": usage or len(text), "text": "".join(text)}
