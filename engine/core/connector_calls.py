@@ -29,23 +29,18 @@ def layer_hook(
 
 def save_new_blocks(connector: KVConnector, kv: KVCacheManager, sched: SchedulerOutput) -> None:
     """Hand the connector every block that became full and computed in this step."""
-    bs = kv.block_size
     for s in sched.scheduled:
         req = s.request
         if req.is_finished:
             continue  # freed already; a finished request's last block is never full anyway
-        before = (req.num_computed_tokens - s.num_real_tokens) // bs
-        after = req.num_computed_tokens // bs
-        if after > before:
-            table = kv.block_tables[req.request_id]
-            connector.save(req, table, kv.block_hashes(req), before, after - before)
+        save_committed_blocks(connector, kv, req, req.num_computed_tokens - s.num_real_tokens)
 
 
 def save_committed_blocks(
     connector: KVConnector, kv: KVCacheManager, req, computed_before: int
 ) -> None:
-    """Hand the connector the blocks of ``req`` that its kept drafts made full and computed
-    (its computed count rose from ``computed_before``)."""
+    """Hand the connector the blocks of ``req`` that became full and computed as its computed
+    count rose from ``computed_before`` (a step's tokens, or the drafts a step kept)."""
     bs = kv.block_size
     before, after = computed_before // bs, req.num_computed_tokens // bs
     if after > before:
