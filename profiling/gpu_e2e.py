@@ -78,6 +78,12 @@ STEPS = (
         "LLMEngine decode at batch 1 and 8 (--decode-tokens, 64), CUDA graphs and enforce_eager",
         "tokens equal; per-step time and launches reported (CUDA graphs on CUDA only)",
     ),
+    Step(
+        "spec",
+        'LLM(speculative_config={"method": "ngram"}): the greedy prompts, drafts verified on the '
+        "device",
+        "tokens equal the greedy step's (no speculation); drafts proposed and some accepted",
+    ),
 )
 
 
@@ -280,6 +286,23 @@ def step_graphs(args) -> dict:
     return out
 
 
+def step_spec(args) -> dict:
+    from engine import LLM
+    from engine.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    llm = LLM.from_config(engine_config(args, speculative=spec))
+    rows = generate_all(llm, sampling())
+    stats = llm.engine.metrics_snapshot().spec
+    llm.close()
+    plain = json.loads((args.out / "greedy.json").read_text())["rows"]
+    equal = [r["tokens"] == p["tokens"] for r, p in zip(rows, plain, strict=True)]
+    out = {"equal_plain": equal, "spec": stats}
+    if not all(equal):
+        raise AssertionError(f"speculative greedy differs from plain greedy on prompts {equal}")
+    return out
+
+
 def run_step(engine, tokens: dict, mode: str, batch: int) -> None:
     for o in engine.step():
         if o.finished:
@@ -303,6 +326,7 @@ STEP_FUNCS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "pool": step_pool,
     "pd": step_pd,
     "graphs": step_graphs,
+    "spec": step_spec,
 }
 
 

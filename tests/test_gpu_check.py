@@ -40,7 +40,7 @@ def test_dry_run_names_every_step():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "profiling/kernels.py --json profiling/results/kernels.json" in out
-    for step in ("env", "greedy", "pool", "pd", "graphs"):
+    for step in ("env", "greedy", "pool", "pd", "graphs", "spec"):
         assert f"e2e {step}" in out
     assert "--model default --steps env,greedy" in out
     # Nothing ran: no results were written by a dry run.
@@ -74,6 +74,8 @@ def test_e2e_steps_pass_on_cpu(bundle, tmp_path):
     assert results["pool"]["sources"].get("dram", 0) >= 144
     assert results["pd"]["equal_colocated"] == [True] * 4
     assert results["graphs"]["eager_batch8"]["decode_steps"] > 0
+    assert results["spec"]["equal_plain"] == [True] * 4
+    assert results["spec"]["spec"]["proposed"] > 0
     assert (out / "e2e.md").read_text().count("| yes |") == len(results)
 
 
