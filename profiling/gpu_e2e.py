@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -209,6 +210,7 @@ def step_pd(args) -> dict:
 
     from engine.cluster.gpu_placement import worker_gpu_argv
     from engine.cluster.launcher import Cluster
+    from engine.cluster.router.config import RouterConfig
 
     # Both workers on the one GPU, each with half the default share of its memory.
     visible = torch.cuda.device_count()
@@ -229,7 +231,10 @@ def step_pd(args) -> dict:
         return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
 
     t0 = time.perf_counter()
-    with Cluster(1, 1, worker_args, worker_gpus=gpus, start_timeout=args.timeout) as cluster:
+    router = RouterConfig(model=args.model)  # the router's tokenizer and limits: the same model
+    with Cluster(
+        1, 1, worker_args, router, worker_gpus=gpus, start_timeout=args.timeout
+    ) as cluster:
         started = time.perf_counter() - t0
         tokens = asyncio.run(run(cluster.router))
     equal = [t == c["tokens"] for t, c in zip(tokens, colocated, strict=True)]
@@ -248,8 +253,13 @@ def step_graphs(args) -> dict:
     modes = {"graphs": False, "eager": True} if cuda else {"eager": True}
     out: dict = {"cuda_graphs": cuda}
     tokens = {}
+    # A fixed KV budget: the step builds two engines in one process, one after the other.
+    kv_gb = args.kv_gb or 8.0
     for mode, eager in modes.items():
         config = engine_config(args)
+        config = dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, kv_cache_memory_gb=kv_gb)
+        )
         if "enforce_eager" in {f.name for f in dataclasses.fields(config)}:
             config = dataclasses.replace(config, enforce_eager=eager)
         elif not eager:
@@ -276,9 +286,13 @@ def step_graphs(args) -> dict:
                 "launches_per_step": launches,
             }
             engine.step_times = type(st)()
+        engine.close()
         del engine
+        gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+            # What a closed engine leaves behind (a second LLM in one process needs it back).
+            out[f"{mode}_left_gib"] = round(torch.cuda.memory_reserved() / 2**30, 2)
     if "graphs" in modes and isinstance(out.get("graphs"), str) is False and len(tokens) > 1:
         out["tokens_equal"] = tokens.get("graphs") == tokens.get("eager")
         if not out["tokens_equal"]:

@@ -13,7 +13,12 @@ only device-side parts run under it.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+try:
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+except ImportError:  # torch < 2.12 raises a plain RuntimeError ("... two different devices")
+    FakeTensorDeviceMismatchError = RuntimeError
 
 DEVICE = torch.device("privateuseone:0")
 _ready = False

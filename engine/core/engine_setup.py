@@ -159,6 +159,11 @@ def prepare_gpu(parts: EngineParts) -> None:
     from engine.kernels.variants import warm_up
 
     config, runner = parts.config, parts.runner
+    if envs.kernel_backend() == "torch":
+        # The torch references read sequence lengths on the host (.tolist()), which a graph
+        # capture refuses: they are for checking the Triton kernels, not for speed.
+        logger.info("CUDA graphs off: ENGINE_KERNELS=torch runs the torch reference kernels")
+        return
     shape = kernel_shape(parts.model_config, config.quantization == "int8")
     count, seconds = warm_up(shape, parts.cache.block_size, parts.dtype, parts.device)
     logger.info("warm-up: %d Triton kernel variants compiled in %.1f s", count, seconds)

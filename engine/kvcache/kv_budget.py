@@ -72,9 +72,9 @@ def kv_budget_bytes(
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization {utilization} gives this process {_gib(share)} of the GPU's "
-            f"{_gib(mem.total)}, but it already holds {_gib(mem.used)} (weights) and keeps "
-            f"{_gib(mem.reserve)} for activations: no room for the KV cache; raise "
-            "--gpu-memory-utilization or set --kv-cache-memory-gb"
+            f"{_gib(mem.total)}, but it already holds {_gib(mem.used)} (weights and earlier "
+            f"allocations) and keeps {_gib(mem.reserve)} for activations: no room for the KV "
+            "cache; raise --gpu-memory-utilization or set --kv-cache-memory-gb"
         )
     if budget > room:
         raise ValueError(

@@ -76,6 +76,17 @@ def test_cuda_start_warms_up_then_captures(engine, monkeypatch):
     assert len(warmed) == 1 and captured == []  # warm-up still, no graphs
 
 
+def test_cuda_start_with_the_torch_references_neither_compiles_nor_captures(engine, monkeypatch):
+    """ENGINE_KERNELS=torch on a GPU (the parity check of profiling/gpu_e2e.py): the references
+    read sequence lengths on the host, which a CUDA graph capture refuses (seen on an H200)."""
+    warmed, captured = [], []
+    monkeypatch.setattr(kernel_variants, "warm_up", lambda *a: warmed.append(a) or (20, 0.0))
+    monkeypatch.setattr(ModelRunner, "enable_graphs", lambda self, *a: captured.append(a))
+    monkeypatch.setenv("ENGINE_KERNELS", "torch")
+    prepare_gpu(engine.parts)
+    assert warmed == [] and captured == []
+
+
 def test_kernel_shape(engine):
     cfg = engine.model_config  # hidden 64, 4 heads of 16, 2 KV heads, intermediate 128
     assert kernel_shape(cfg, int8=False) == ModelShape(4, 2, 16, 2, False, ())
