@@ -48,6 +48,7 @@ class AddRequest:
     prompt_text: str | None  # the text the ids were encoded from; None: ids were given
     params: SamplingParams
     cache_salt: str | None
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,15 +157,17 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (one per step it moves; the last has finished=True).
+        ``priority``: vLLM's (lower first) under the scheduling policy "priority"; else 0.
 
         Raises RequestError (a ValueError naming the field) for invalid input, QueueFullError
         when the admission queue is full, EngineShuttingDownError after shutdown began, before
         anything is queued."""
         params = params or SamplingParams()
         rid = request_id or f"async-{next(self._ids)}"
-        queue = self._submit(prompt, params, rid, cache_salt)
+        queue = self._submit(prompt, params, rid, cache_salt, priority)
         finished = False
         try:
             while True:
@@ -243,7 +246,7 @@ class AsyncLLM:
 
     # -- submission (caller's thread) --------------------------------------------------------
 
-    def _submit(self, prompt, params, rid, cache_salt) -> asyncio.Queue:
+    def _submit(self, prompt, params, rid, cache_salt, priority=0) -> asyncio.Queue:
         if not self._accepting:
             raise EngineShuttingDownError("the engine is shutting down")
         if self._error is not None:
@@ -252,7 +255,7 @@ class AsyncLLM:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        self.engine.validate(ids, params)  # reads only config: safe from any thread
+        self.engine.validate(ids, params, priority)  # reads only config: safe from any thread
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
@@ -263,7 +266,7 @@ class AsyncLLM:
                     f"too many requests in flight ({self.max_pending}); retry later"
                 )
             self._sinks[rid] = (loop, queue)
-            self._commands.append(AddRequest(rid, ids, text, params, cache_salt))
+            self._commands.append(AddRequest(rid, ids, text, params, cache_salt, priority))
             self._cv.notify()
         return queue
 
@@ -311,6 +314,7 @@ class AsyncLLM:
                 request_id=rid,
                 cache_salt=cmd.cache_salt,
                 prompt_text=cmd.prompt_text,
+                priority=cmd.priority,
             )
         except Exception as exc:  # validation races, queue full: tell the caller
             self._deliver(rid, exc, last=True)

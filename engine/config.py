@@ -23,6 +23,10 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 QUANTIZATIONS = ("int8",)
 
+# How the scheduler orders its waiting requests and picks whom to preempt (vLLM's
+# --scheduling-policy): arrival order, or (priority, arrival), a lower priority value first.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
 KV_CACHE_DTYPE_ALIASES = {
@@ -299,8 +303,18 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_waiting: int = 4096  # admission queue bound; add_request beyond it raises QueueFullError
     long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole remaining budget
+    # "fcfs": arrival order, the newest running request preempted first; requests must carry
+    # priority 0. "priority": waiting requests by (priority, arrival), lower values first, and
+    # the running request of the largest (priority, arrival) preempted first
+    # (engine/core/scheduler.py). vLLM's SchedulerConfig.policy.
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"policy (--scheduling-policy) must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.policy!r}"
+            )
         if self.max_num_batched_tokens is not None:
             _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

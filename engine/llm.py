@@ -41,6 +41,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int | None = None,  # None: the device's default (config.py)
         max_num_seqs: int = 128,
+        # "fcfs", or "priority": generate's ``priority`` orders the queue (SchedulerConfig.policy)
+        scheduling_policy: str = "fcfs",
         seed: int = 0,
         show_progress: bool = False,
         kv_pool: str | None = None,
@@ -70,7 +72,9 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                policy=scheduling_policy,
             ),
             speculative=speculative_config or SpeculativeConfig(),
             show_progress=show_progress,
@@ -94,19 +98,26 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or many (strings or token-id lists); outputs in input order.
+
+        ``priority`` (vLLM's): one int per prompt, a lower value served first, under
+        ``scheduling_policy="priority"`` (under "fcfs" every one must be 0).
 
         Every prompt is validated before any runs: one bad prompt raises ValueError and nothing
         is queued."""
         prompts = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompts))
+        priorities = _as_priority_list(priority, len(prompts))
         encoded = [self._encode(p) for p in prompts]
-        for ids, sp in zip(encoded, params_list):
-            self.engine.validate(ids, sp)
+        for ids, sp, prio in zip(encoded, params_list, priorities):
+            self.engine.validate(ids, sp, prio)
         order = [
-            self.engine.add_request(ids, sp, prompt_text=p if isinstance(p, str) else None)
-            for p, ids, sp in zip(prompts, encoded, params_list)
+            self.engine.add_request(
+                ids, sp, prompt_text=p if isinstance(p, str) else None, priority=prio
+            )
+            for p, ids, sp, prio in zip(prompts, encoded, params_list, priorities)
         ]
         final: dict[str, RequestOutput] = {}
         try:
@@ -127,17 +138,22 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Chat completion(s) with the model's chat template. One conversation or a list."""
+        """Chat completion(s) with the model's chat template. One conversation or a list;
+        ``priority``: one per conversation, as generate's."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c) for c in convs]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params, use_tqdm=use_tqdm, priority=priority)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0
+    ) -> Iterator[str]:
         """Yield text deltas of one request as they are generated."""
         ids = self._encode(prompt)
         text = prompt if isinstance(prompt, str) else None
-        rid = self.engine.add_request(ids, params or SamplingParams(), prompt_text=text)
+        params = params or SamplingParams()
+        rid = self.engine.add_request(ids, params, prompt_text=text, priority=priority)
         done = False
         try:
             while not done:
@@ -185,6 +201,21 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if not prompts:
         raise RequestError("prompts must not be empty", "prompts")
     return prompts
+
+
+def _as_priority_list(priority, n: int) -> list:
+    """One priority per prompt (each checked by the engine); RequestError naming ``priority``
+    for anything but a list of as many."""
+    if priority is None:
+        return [0] * n
+    if isinstance(priority, (str, bytes, dict)) or not isinstance(priority, Sequence):
+        raise RequestError(
+            f"priority must be a list with one int per prompt, got {type(priority).__name__}",
+            "priority",
+        )
+    if len(priority) != n:
+        raise RequestError(f"priority has {len(priority)} entries for {n} prompts", "priority")
+    return list(priority)
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

@@ -156,6 +156,17 @@ ENGINE_FLAGS = (
     ),
     EngineFlag("--max-num-seqs", "scheduler.max_num_seqs", 128, {"type": int}),
     EngineFlag(
+        "--scheduling-policy",
+        "scheduler.policy",
+        "fcfs",
+        {
+            "choices": ["fcfs", "priority"],
+            "help": "fcfs: requests in arrival order, and a request's priority must be 0; "
+            "priority: by the requests' priority field (lower first), then arrival, and the "
+            "lowest priority preempted first when KV blocks run out (as vLLM's)",
+        },
+    ),
+    EngineFlag(
         "--no-prefix-caching", "cache.enable_prefix_caching", True, {"action": "store_true"}, True
     ),
     EngineFlag(

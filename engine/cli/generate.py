@@ -20,6 +20,13 @@ def add_generate_commands(sub) -> None:
     add_sampling_options(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument(
+        "--priority",
+        type=int,
+        action="append",
+        help="each prompt's priority, in --prompt's order (with --scheduling-policy priority: "
+        "lower first, when more prompts than --max-num-seqs wait)",
+    )
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat that streams tokens")
@@ -40,9 +47,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     prompts = args.prompt or ["Hello! Who are you?"]
     if args.raw:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, priority=args.priority)
     else:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        convs = [[{"role": "user", "content": p}] for p in prompts]
+        outs = llm.chat(convs, params, priority=args.priority)
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
         print(f">>> {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")

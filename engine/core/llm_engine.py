@@ -40,7 +40,12 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.stage_io import StageIO
 from engine.core.stage_step import StageInputs, StageStep, no_stage_inputs
 from engine.core.step_clock import step_clock
-from engine.core.validation import cap_for_tests, validate_prompt, validate_stage_fields
+from engine.core.validation import (
+    cap_for_tests,
+    validate_priority,
+    validate_prompt,
+    validate_stage_fields,
+)
 from engine.errors import RequestError
 from engine.kvcache.block_pool import BlockListener
 from engine.model.llama import LayerHook
@@ -145,9 +150,12 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         """Raise RequestError naming the field and the limit; changes nothing."""
         validate_prompt(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        validate_priority(priority, self.scheduler.config.policy)
         if params.prompt_logprobs is not None and not self.stage.is_whole:
             raise RequestError(
                 "prompt_logprobs are not served by pipeline stages", "prompt_logprobs"
@@ -164,8 +172,12 @@ class LLMEngine:
         ready_tokens: int | None = None,
         prefix_tokens: int | None = None,
         prefix_exact: bool = False,
+        priority: int = 0,
     ) -> str:
         """Queue a request (text, or token ids with optional prompt_text for the record).
+
+        ``priority`` (vLLM's): under the scheduling policy "priority", lower values are served
+        first and preempted last; under "fcfs" it must be 0 (RequestError naming it).
 
         Pipeline stages (engine/core/stage_io.py), set on every choice's Request:
         ``ready_tokens``: the prompt tokens whose stage inputs are here (None: all), raised
@@ -183,7 +195,7 @@ class LLMEngine:
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise RequestError("prompt token ids must be a list of integers", "prompt")
             text, ids = prompt_text, list(prompt)
-        self.validate(ids, params)
+        self.validate(ids, params, priority)
         validate_stage_fields(
             len(ids), ready_tokens, prefix_tokens, prefix_exact, self.cache.block_size
         )
@@ -214,6 +226,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 generator=None if seed is None else make_generator(seed, self.device),
                 arrival_time=arrival_time,
+                priority=priority,
             )
             if grammar is not None:
                 child.grammar = SequenceGrammar(grammar)
@@ -243,6 +256,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         firsts: Sequence[FirstToken],
+        priority: int = 0,
     ) -> list[str]:
         """Join a request whose prompt another engine prefilled and whose choices sampled their
         first tokens there: each choice goes on from its first token as if sampled here (stop
@@ -252,7 +266,7 @@ class LLMEngine:
             raise ValueError(
                 f"firsts must hold one token per choice (n={params.n}), got {len(firsts)}"
             )
-        rid = self.add_request(prompt_token_ids, params, request_id=request_id)
+        rid = self.add_request(prompt_token_ids, params, request_id=request_id, priority=priority)
         now = time.monotonic()
         live = []
         parent = self.out.parents[rid]

@@ -37,8 +37,12 @@ class Request:
         cache_salt: str | None = None,
         generator: torch.Generator | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Under the "priority" scheduling policy: lower values are served first, and preempted
+        # last (engine/core/scheduler.py); under "fcfs" always 0.
+        self.priority = priority
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

@@ -5,7 +5,15 @@ Each step gives every running request a number of tokens under a token budget
 is one token, an unfinished prompt gets its next chunk), then chunks of waiting prompts, skipping
 prompt blocks already in the prefix cache. When blocks run out, the newest running request is
 preempted: its blocks are freed and it is recomputed later (its cached prefix usually survives).
-FCFS throughout; a preempted request goes back to the front of the queue.
+
+The policy (SchedulerConfig.policy, vLLM's ``--scheduling-policy``): under ``fcfs`` the queue is
+in arrival order, a preempted request goes back to its front, running requests are served in the
+order they were admitted and the newest is preempted first. Under ``priority`` the queue is kept
+in (priority, arrival) order (a lower value first; a preempted request goes back to its place
+by that key), running requests are served in that order too (their prompt chunks take the
+budget first) and the last of them, the largest (priority, arrival), is preempted first. As in
+vLLM, nothing running is preempted to admit a waiting request: a high-priority request waits
+for a sequence slot or blocks to free up, but ahead of every lower-priority one.
 
 With a KV connector (the tiered pool, or a decode worker's receiver), admission asks it for the
 continuation of the device-cache hit; those tokens are loaded into blocks allocated for them while
@@ -22,6 +30,7 @@ once ("abort", stop reason PREFIX_MISSING) and is listed in the step's ``ended``
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 
@@ -41,6 +50,11 @@ class QueueFullError(RuntimeError):
     """The admission queue is full; the caller should retry later (HTTP 429)."""
 
 
+def queue_key(req: Request) -> tuple[int, float]:
+    """The priority policy's order: a lower priority value first, then the earlier arrival."""
+    return (req.priority, req.metrics.arrival_time)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -55,6 +69,7 @@ class Scheduler:
                 "SchedulerConfig.for_device fills in the device's default"
             )
         self.config = config
+        self.by_priority = config.policy == "priority"
         self.prefill_only = prefill_only
         self.kv = kv
         self.connector = connector
@@ -76,7 +91,19 @@ class Scheduler:
                 f"the waiting queue is full ({self.config.max_waiting} requests); retry later"
             )
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        """Into the waiting queue: fcfs at its back (``front``: its front, a preempted or loaded
+        request); priority at its place by queue_key, after its equals."""
+        if not self.by_priority:
+            if front:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        key = queue_key(req)
+        self.waiting.insert(bisect.bisect_right(self.waiting, key, key=queue_key), req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Finish req now (stopped, length, abort, error) and free its blocks at once."""
@@ -110,7 +137,10 @@ class Scheduler:
         if self.loading:
             self._finish_loads()
 
-        # 1. Running requests, oldest first; preempt from the newest when blocks run out.
+        # 1. Running requests, oldest first; preempt from the newest when blocks run out (under
+        # priority: by queue_key, the victim the largest; the victim is never one served already).
+        if self.by_priority:
+            self.running.sort(key=queue_key)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -135,7 +165,7 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing newer is left to run
 
-        # 2. Waiting requests, FCFS, while budget, sequence slots and blocks last.
+        # 2. Waiting requests in queue order, while budget, sequence slots and blocks last.
         # Nothing new is admitted in a step that had to preempt: memory is short. Admission
         # also leaves a small watermark of free blocks for the running requests to grow into,
         # so that a request is not admitted only to be preempted (and recomputed) steps later.
@@ -205,7 +235,8 @@ class Scheduler:
         self.connector.start_load(req, self.kv.block_tables[req.request_id], cached, external)
 
     def _finish_loads(self) -> None:
-        """Requests whose loads ended rejoin the front of the queue, oldest first."""
+        """Requests whose loads ended rejoin the front of the queue, oldest first (under
+        priority: their places by queue_key)."""
         back = []
         for done in self.connector.finished_loads():
             req = self.loading.pop(done.request_id, None)
@@ -227,7 +258,7 @@ class Scheduler:
             back.append(req)
         back.sort(key=lambda r: r.metrics.arrival_time, reverse=True)
         for req in back:
-            self.waiting.appendleft(req)
+            self._enqueue(req, front=True)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -237,7 +268,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the forward ran; name newly full blocks. Drafts are

@@ -36,6 +36,28 @@ def validate_prompt(
         )
 
 
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1  # what every wire (msgpack, JSON ints) carries
+
+
+def validate_priority(priority: object, policy: str) -> None:
+    """A request's ``priority`` (an int, lower served first, 0 by default) under the scheduling
+    policy ``policy`` ("fcfs" or "priority"): RequestError naming ``priority``. Under fcfs only
+    the default 0 is taken, as vLLM refuses it ("priority scheduling is not enabled")."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise RequestError(
+            f"priority must be an integer, got {type(priority).__name__} {priority!r}", "priority"
+        )
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise RequestError(f"priority must be in [-2**63, 2**63 - 1], got {priority}", "priority")
+    if priority != 0 and policy != "priority":
+        raise RequestError(
+            f"priority {priority} was given but priority scheduling is not enabled (the "
+            f"scheduling policy is {policy}; start the server with --scheduling-policy "
+            "priority), so priority must be 0",
+            "priority",
+        )
+
+
 def validate_stage_fields(
     num_prompt: int, ready: int | None, prefix: int | None, exact: bool, block_size: int
 ) -> None:

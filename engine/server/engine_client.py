@@ -28,8 +28,11 @@ class EngineClient(Protocol):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; closing the iterator early aborts the request. Raises
+        """Stream a request's outputs; closing the iterator early aborts the request.
+        ``priority``: vLLM's, lower served first under the scheduling policy "priority" (a
+        RequestError naming it when not an int, or not 0 under "fcfs"). Raises
         RequestError (400: bad input, naming the field; engine/errors.py), QueueFullError (429),
         EngineShuttingDownError (503); anything else is a 500."""
         ...

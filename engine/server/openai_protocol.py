@@ -93,6 +93,9 @@ class _SamplingRequest(_Strict, StructuredFields):
     json_schema: SkipJsonSchema[Any] = None
     # vLLM's extension: logprobs of the prompt's tokens, and this many alternatives per token.
     prompt_logprobs: int | None = None
+    # vLLM's extension: under --scheduling-policy priority, a lower value is served first (and
+    # preempted last); under fcfs anything but 0 is a 400 (the engine checks it).
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
 
     def _check_unsupported(self) -> None:
         reject_unsupported(self, _UNSUPPORTED)

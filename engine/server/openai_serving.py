@@ -60,6 +60,7 @@ class Job:
     echo: list[str] | None = None  # completions with echo: the prompt texts
     prompt_logprobs: bool = False  # vLLM's: per choice (completions) or per response (chat)
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: the scheduling policy "priority" serves lower values first
     tools: ToolRequest | None = None  # chat with tools offered: replies are parsed for calls
     constraint_field: str | None = None  # the request field that asked for structured outputs
     created: int = field(default_factory=lambda: int(time.time()))
@@ -117,6 +118,7 @@ class OpenAIServing:
             echo=echo,
             prompt_logprobs=req.prompt_logprobs is not None,
             cache_salt=req.cache_salt,
+            priority=req.priority,
             constraint_field=req.constraint_field,
         )
 
@@ -146,6 +148,7 @@ class OpenAIServing:
             top_logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs is not None,
             cache_salt=req.cache_salt,
+            priority=req.priority,
             tools=tools,
             constraint_field=req.constraint_field or (None if tools is None else "tools"),
         )
@@ -201,7 +204,7 @@ class OpenAIServing:
         if job.params.structured_outputs is not None:
             await self.compile_grammar(job)
         return await RequestStreams.start(
-            self.llm, job.prompts, job.params, request_id or job.id, job.cache_salt
+            self.llm, job.prompts, job.params, request_id or job.id, job.cache_salt, job.priority
         )
 
     async def compile_grammar(self, job: Job) -> None:

@@ -16,6 +16,10 @@ a map or JSON text), ``json_object``, ``regex``, ``choice`` (a list of strings) 
 The server compiles it off its event loop before the engine sees it; an invalid constraint, one
 over a size cap or one that does not compile within the deadline is an ``RPCError`` with code
 400 and ``param`` "structured_outputs"; code 503 when too many compiles are pending.
+
+``priority`` (keyword, beside the parameters as in vLLM, not one of them): an int, 0 by default;
+a server started with ``--scheduling-policy priority`` serves lower values first. A server under
+fcfs answers any other value with an ``RPCError`` of code 400 and ``param`` "priority".
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -41,78 +45,22 @@ from engine.ipc.wire import params_to_wire
 from engine.sampling_params import SamplingParams
 from engine.server import rpc_messages as r
 from engine.server.rpc_messages import MAX_MESSAGE_BYTES, OPS  # noqa: F401
+from engine.server.rpc_results import (  # noqa: F401 (the clients' results, re-exported)
+    Completion,
+    GenerateResult,
+    RPCError,
+    RPCTimeoutError,
+    StreamDelta,
+    TokenLogprob,
+    Usage,
+    completion_from_wire,
+    result_from_wire,
+)
 from engine.structured.params import StructuredOutputs
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_S = 120.0
 MAX_BUFFERED = 10_000  # replies held for one call before the call fails (a consumer too slow)
-
-
-# -- results -----------------------------------------------------------------------------------
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    """One choice: cumulative in a GenerateResult, a delta in a StreamDelta."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass
-class GenerateResult:
-    request_id: str
-    outputs: list[Completion]
-    usage: Usage
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-
-@dataclass
-class StreamDelta:
-    request_id: str
-    outputs: list[Completion]  # the choices that moved this step
-
-    @property
-    def text(self) -> str:
-        return "".join(c.text for c in self.outputs if c.index == 0)
-
-
-class RPCError(RuntimeError):
-    def __init__(self, message: str, code: int = 500, type: str = "", param: str | None = None):
-        super().__init__(message)
-        self.message, self.code, self.type, self.param = message, code, type, param
-
-    @classmethod
-    def from_reply(cls, reply: r.Error) -> RPCError:
-        err = reply.error
-        code = err.get("code", 500)
-        kind = RPCTimeoutError if code == 408 else cls
-        return kind(str(err.get("message")), code, str(err.get("type")), err.get("param"))
-
-
-class RPCTimeoutError(RPCError, TimeoutError):
-    pass
 
 
 # -- encoding ------------------------------------------------------------------------------------
@@ -147,29 +95,6 @@ def params_dict(params=None, **kwargs) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
-def _completion(d: dict) -> Completion:
-    lps = d.get("logprobs")
-    return Completion(
-        index=d["index"],
-        text=d["text"],
-        token_ids=list(d["token_ids"]),
-        finish_reason=d.get("finish_reason"),
-        stop_reason=d.get("stop_reason"),
-        logprobs=None
-        if lps is None
-        else [TokenLogprob(t, v, [tuple(x) for x in top]) for t, v, top in lps],
-    )
-
-
-def _result(reply: r.Result) -> GenerateResult:
-    u = reply.usage
-    return GenerateResult(
-        reply.request_id,
-        [_completion(c) for c in reply.outputs],
-        Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0), u.get("cached_tokens", 0)),
-    )
-
-
 def _pack_request(msg: r.Request) -> bytes:
     (data,) = r.REQUESTS.encode(msg)
     if len(data) > MAX_MESSAGE_BYTES:  # fail here rather than wait for the server's 413
@@ -191,11 +116,21 @@ def _overflow_reply() -> r.Error:
     return r.Error(None, {"message": message, "type": "OverflowError", "code": 500})
 
 
-def _request(stream: bool, prompt, params, request_id, cache_salt, timeout) -> r.Generate:
+def _request(
+    stream: bool, prompt, params, request_id, cache_salt, timeout, priority=0
+) -> r.Generate:
+    if isinstance(priority, int) and not -(2**63) <= priority < 2**63:  # not for the wire
+        message = f"priority must be in [-2**63, 2**63 - 1], got {priority}"
+        raise RPCError(message, 400, "BadRequestError", "priority")
     kind = r.Stream if stream else r.Generate
     request_id = request_id or uuid.uuid4().hex
     return kind(
-        prompt=prompt, params=params, request_id=request_id, cache_salt=cache_salt, timeout=timeout
+        prompt=prompt,
+        params=params,
+        request_id=request_id,
+        cache_salt=cache_salt,
+        timeout=timeout,
+        priority=priority,
     )
 
 
@@ -245,20 +180,36 @@ class RPCClient:
         self.close()
 
     def generate(
-        self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None, **kwargs
+        self,
+        prompt,
+        params=None,
+        *,
+        request_id=None,
+        cache_salt=None,
+        timeout=None,
+        priority=0,
+        **kwargs,
     ) -> GenerateResult:
         timeout = timeout or self.timeout
-        msg = _request(
-            False, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
-        )
-        return _result(self._call(msg, timeout))
+        params = params_dict(params, **kwargs)
+        msg = _request(False, prompt, params, request_id, cache_salt, timeout, priority)
+        return result_from_wire(self._call(msg, timeout))
 
     def stream(
-        self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None, **kwargs
+        self,
+        prompt,
+        params=None,
+        *,
+        request_id=None,
+        cache_salt=None,
+        timeout=None,
+        priority=0,
+        **kwargs,
     ) -> Iterator[StreamDelta]:
         """Yield deltas as they come; closing the iterator early aborts the request."""
         timeout = timeout or self.timeout
-        msg = _request(True, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout)
+        params = params_dict(params, **kwargs)
+        msg = _request(True, prompt, params, request_id, cache_salt, timeout, priority)
         call_id, box = self._send(msg)
         deadline = time.monotonic() + timeout
         done = False
@@ -272,7 +223,9 @@ class RPCClient:
                     done = True
                     raise RPCError.from_reply(reply)
                 if isinstance(reply, r.Chunk):
-                    yield StreamDelta(reply.request_id, [_completion(c) for c in reply.outputs])
+                    yield StreamDelta(
+                        reply.request_id, [completion_from_wire(c) for c in reply.outputs]
+                    )
         finally:
             self._inbox.pop(call_id, None)
             if not done:
@@ -374,19 +327,35 @@ class AsyncRPCClient:
         await self.close()
 
     async def generate(
-        self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None, **kwargs
+        self,
+        prompt,
+        params=None,
+        *,
+        request_id=None,
+        cache_salt=None,
+        timeout=None,
+        priority=0,
+        **kwargs,
     ) -> GenerateResult:
         timeout = timeout or self.timeout
-        msg = _request(
-            False, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout
-        )
-        return _result(await self._call(msg, timeout))
+        params = params_dict(params, **kwargs)
+        msg = _request(False, prompt, params, request_id, cache_salt, timeout, priority)
+        return result_from_wire(await self._call(msg, timeout))
 
     async def stream(
-        self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None, **kwargs
+        self,
+        prompt,
+        params=None,
+        *,
+        request_id=None,
+        cache_salt=None,
+        timeout=None,
+        priority=0,
+        **kwargs,
     ) -> AsyncIterator[StreamDelta]:
         timeout = timeout or self.timeout
-        msg = _request(True, prompt, params_dict(params, **kwargs), request_id, cache_salt, timeout)
+        params = params_dict(params, **kwargs)
+        msg = _request(True, prompt, params, request_id, cache_salt, timeout, priority)
         call_id, queue = await self._send(msg)
         deadline = time.monotonic() + timeout
         done = False
@@ -400,7 +369,9 @@ class AsyncRPCClient:
                     done = True
                     raise RPCError.from_reply(reply)
                 if isinstance(reply, r.Chunk):
-                    yield StreamDelta(reply.request_id, [_completion(c) for c in reply.outputs])
+                    yield StreamDelta(
+                        reply.request_id, [completion_from_wire(c) for c in reply.outputs]
+                    )
         finally:
             self._inbox.pop(call_id, None)
             if not done:

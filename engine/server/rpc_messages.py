@@ -6,7 +6,9 @@ id the client picks, echoed in every reply: an integer or a string of at most 25
 and ``op``:
 
 - ``generate`` / ``stream``: ``prompt`` (text or token ids), ``params`` (SamplingParams fields),
-  optional ``request_id``, ``cache_salt``, ``timeout`` (seconds; the server aborts after it).
+  optional ``request_id``, ``cache_salt``, ``timeout`` (seconds; the server aborts after it),
+  ``priority`` (an int, 0 by default: lower is served first under ``--scheduling-policy
+  priority``; under fcfs anything else is a 400 naming it).
   ``generate`` answers one ``result``; ``stream`` answers ``chunk`` messages (deltas) and then
   one ``done`` with the usage.
 - ``abort`` (``request_id``; only the caller's own requests), ``health``, ``metrics``: one
@@ -30,7 +32,7 @@ from dataclasses import field
 from typing import Annotated
 
 from engine.ipc import codec
-from engine.ipc.codec import Len
+from engine.ipc.codec import Len, Range
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server answers larger requests with a 413
 MAX_ID_CHARS = 256
@@ -49,6 +51,7 @@ class Generate(Request, kind="generate"):
     request_id: RequestId | None = None  # None or "": the server names it
     cache_salt: str | None = None
     timeout: float | None = None  # None: the server's default
+    priority: Annotated[int, Range(-(2**63), 2**63 - 1)] = 0  # vLLM's: lower first
 
 
 class Stream(Generate, kind="stream"):

@@ -234,7 +234,7 @@ class RPCServer:
         call = _Call(peer, msg.id, request_id, f"rpc-{uuid.uuid4().hex}", stream)
         self._calls[key] = call
         call.task = asyncio.ensure_future(
-            self._run_call(key, call, msg.prompt, params, msg.cache_salt)
+            self._run_call(key, call, msg.prompt, params, msg.cache_salt, msg.priority)
         )
         loop = asyncio.get_running_loop()
         timer = loop.call_later(timeout, self._expire, call)
@@ -245,7 +245,7 @@ class RPCServer:
             call.expired = True
             call.task.cancel()
 
-    async def _run_call(self, key, call: _Call, prompt, params, salt) -> None:
+    async def _run_call(self, key, call: _Call, prompt, params, salt, priority=0) -> None:
         last: RequestOutput | None = None
         try:
             if isinstance(prompt, str):  # tokenized off the event loop, after a cheap bound
@@ -255,7 +255,9 @@ class RPCServer:
                 prompt = await self._offload(self.llm.tokenizer.encode, prompt)
             if params.structured_outputs is not None:  # compiled off this loop, then cached
                 await self.llm.compile_grammar(params)
-            gen = self.llm.generate(prompt, params, request_id=call.engine_id, cache_salt=salt)
+            gen = self.llm.generate(
+                prompt, params, request_id=call.engine_id, cache_salt=salt, priority=priority
+            )
             async with aclosing(gen):
                 async for out in gen:
                     last = out

@@ -33,6 +33,7 @@ class RequestStreams:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStreams:
         ids = (
             [request_id]
@@ -40,7 +41,7 @@ class RequestStreams:
             else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
         gens = [
-            llm.generate(p, params, request_id=r, cache_salt=cache_salt)
+            llm.generate(p, params, request_id=r, cache_salt=cache_salt, priority=priority)
             for p, r in zip(prompts, ids)
         ]
         if len(gens) == 1:

@@ -39,7 +39,7 @@ class DeadEngine:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
-    async def generate(self, prompt, params=None, request_id=None, cache_salt=None):
+    async def generate(self, prompt, params=None, request_id=None, cache_salt=None, priority=0):
         raise self.exc
         yield  # an async generator, as the real ones
 
