@@ -61,6 +61,14 @@ def add_cluster_commands(subparsers, engine_args_fn) -> None:
         help="a pool service started with engine pool serve --events-port (the workers' "
         "--kv-pool): the router hears its block events and places by what it holds",
     )
+    r.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="priority: requests may carry a priority (lower first), which the Conductor's "
+        "queues and rejection order by and the workers are sent (start them with "
+        "--scheduling-policy priority too); fcfs: a priority other than 0 is a 400",
+    )
     _router_args(r)
     r.set_defaults(func=cmd_router)
 
@@ -202,6 +210,7 @@ def _router_config(args: argparse.Namespace, address: str):
         heartbeat_timeout_s=args.heartbeat_timeout,
         transfer_deadline_s=args.transfer_deadline,
         stream_layers=not args.no_layer_streaming,
+        scheduling_policy=args.scheduling_policy,
         **pending,
         **placement_config(args),
     )

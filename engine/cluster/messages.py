@@ -31,7 +31,7 @@ from dataclasses import field
 from typing import Annotated
 
 from engine.ipc import codec
-from engine.ipc.codec import Len
+from engine.ipc.codec import Len, Range
 
 MAX_HEADER_BYTES = 1 << 20  # a header holds token ids (a long prompt is ~100k ints)
 MAX_FRAME_BYTES = 1 << 30  # one layer of one chunk of KV
@@ -167,11 +167,14 @@ class CopyDone(Message, kind="copy_done"):
 
 
 class _PromptRequest(Message):
-    """A request's prompt and sampling parameters (ipc/wire.py's params_to_wire)."""
+    """A request's prompt and sampling parameters (ipc/wire.py's params_to_wire), and its
+    priority (vLLM's, lower first), which a worker under the priority scheduling policy orders
+    its queue by (one under fcfs serves it in arrival order: roles.engine_priority)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: dict
+    priority: Annotated[int, Range(-(2**63), 2**63 - 1)] = field(default=0, kw_only=True)
 
 
 class DecodeRequest(_PromptRequest, kind="decode_request"):

@@ -50,8 +50,10 @@ class Placement(Protocol):
         prompt_token_ids: Sequence[int],
         prefill: Sequence[WorkerView],
         decode: Sequence[WorkerView],
+        priority: int = 0,
     ) -> Placed | None:
-        """The workers for a request (prefill, decode), or None to reject it."""
+        """The workers for a request (prefill, decode), or None to reject it. ``priority``: the
+        request's (vLLM's, lower first; always 0 under the fcfs scheduling policy)."""
         ...
 
     def rejection_error(self) -> Exception | None:
@@ -120,6 +122,7 @@ class PlacementBase:
         prompt_token_ids: Sequence[int],
         prefill: Sequence[WorkerView],
         decode: Sequence[WorkerView],
+        priority: int = 0,
     ) -> Placed | None:
         raise NotImplementedError
 
@@ -176,7 +179,7 @@ class RoundRobin(PlacementBase):
         self._next[role] = i + 1
         return ids[i]
 
-    def place(self, prompt_token_ids, prefill, decode) -> Placed | None:
+    def place(self, prompt_token_ids, prefill, decode, priority=0) -> Placed | None:
         p, d = self._pick("prefill", prefill), self._pick("decode", decode)
         if p is None or d is None:
             return None

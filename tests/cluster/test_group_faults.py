@@ -28,7 +28,7 @@ ROUTER = RouterConfig(heartbeat_timeout_s=2.0)
 class GroupFirst(PlacementBase):
     """The group while it is up, else the prefill worker alone (and the decode worker)."""
 
-    def place(self, prompt_token_ids, prefill, decode) -> Placed | None:
+    def place(self, prompt_token_ids, prefill, decode, priority=0) -> Placed | None:
         units = sorted(prefill, key=lambda w: -w.stages)
         return Placed(units[0].worker_id, decode[0].worker_id) if units and decode else None
 

@@ -69,7 +69,8 @@ class RequestRejectedError(QueueFullError):
 
 def make_placement(cfg) -> ConductorPlacement:
     """The router's placement from its config (``policy``, ``rejection``, ``ttft_slo_s``,
-    ``tbt_slo_s``, ``block_size``); ConductorConfig validates them, naming the field."""
+    ``tbt_slo_s``, ``block_size``, ``scheduling_policy``); ConductorConfig validates them, naming
+    the field."""
     conductor = Conductor(
         ConductorConfig(
             policy=cfg.policy,
@@ -79,6 +80,7 @@ def make_placement(cfg) -> ConductorPlacement:
             block_tokens=cfg.block_size,
             tbt_refit_every=16,  # one report per decode worker per heartbeat
             copy_wait_cap_s=cfg.copy_timeout_s,  # the router waits no longer for a copy
+            scheduling_policy=cfg.scheduling_policy,
         ),
         prior=get_cost_model(ROUTER_COST_MODEL),
     )
@@ -244,14 +246,18 @@ class ConductorPlacement(PlacementBase):
         )
 
     def place(
-        self, prompt_token_ids: Sequence[int], prefill: Sequence, decode: Sequence
+        self,
+        prompt_token_ids: Sequence[int],
+        prefill: Sequence,
+        decode: Sequence,
+        priority: int = 0,
     ) -> Placed | None:
         now = self.clock()
         self._sync(prefill, decode, now)
         self._expire(now)
         keys = hash_blocks(list(prompt_token_ids), self.block_size)
         rid = f"placement-{next(self._ids)}"
-        d = self.conductor.decide(rid, keys, max(1, len(prompt_token_ids)), now)
+        d = self.conductor.decide(rid, keys, max(1, len(prompt_token_ids)), now, priority=priority)
         self.last_decision = d
         if not d.accepted:
             return None

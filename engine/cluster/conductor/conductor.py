@@ -35,6 +35,7 @@ from typing import NamedTuple
 from engine.cluster.conductor import decision as pl
 from engine.cluster.conductor.cost_model import PAPER, CostModel
 from engine.cluster.conductor.pipeline import SINGLE, PipelineShape, pipelined_prefill_s
+from engine.cluster.conductor.prefill_queue import PrefillQueue
 from engine.cluster.conductor.prefix_index import PrefixIndex
 from engine.cluster.conductor.rejection import (
     REJECTIONS,
@@ -77,8 +78,16 @@ class ConductorConfig:
     # to this many seconds (the router's copy timeout, after which the prefill runs without
     # it). 0: copies start at once (the simulator's instances copy without delay).
     copy_wait_cap_s: float = 0.0
+    # The instances' scheduling policy (engine/core/scheduler.py): under "priority" a request
+    # waits in a prefill queue only for the head and the requests of a priority value at most
+    # its own (prefill_queue.py), and goes ahead of the others.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.rejection not in REJECTIONS:
@@ -101,41 +110,6 @@ class ConductorConfig:
             raise ValueError(f"copy_wait_cap_s must be >= 0, got {self.copy_wait_cap_s}")
         if self.tbt_refit_every < 1:
             raise ValueError(f"tbt_refit_every must be >= 1, got {self.tbt_refit_every}")
-
-
-class _Prefill:
-    """A prefill instance's (or group's) FIFO queue of estimated durations: how long each
-    request keeps it (a group: each stage) busy."""
-
-    def __init__(self, instance_id: str, shape: PipelineShape = SINGLE) -> None:
-        self.instance_id = instance_id
-        self.shape = shape
-        self.queue: dict[str, float] = {}  # request -> estimated seconds, in arrival order
-        self.queued_s = 0.0
-        self.head_started = 0.0
-
-    def queue_s(self, now: float) -> float:
-        if not self.queue:
-            return 0.0
-        head = next(iter(self.queue.values()))
-        return max(0.0, self.queued_s - min(head, max(0.0, now - self.head_started)))
-
-    def push(self, request_id: str, seconds: float, now: float) -> None:
-        if not self.queue:
-            self.head_started = now
-        self.queue[request_id] = seconds
-        self.queued_s += seconds
-
-    def pop(self, request_id: str, now: float) -> bool:
-        if request_id not in self.queue:
-            return False
-        was_head = next(iter(self.queue)) == request_id
-        self.queued_s -= self.queue.pop(request_id)
-        if not self.queue:
-            self.queued_s = 0.0  # no float drift
-        elif was_head:
-            self.head_started = now
-        return True
 
 
 class Estimate(NamedTuple):
@@ -161,7 +135,7 @@ class Conductor:
         self.index = PrefixIndex()
         self.prefill_model = PrefillTimeModel(prior)
         self.tbt_model = TbtModel(prior, refit_every=self.config.tbt_refit_every)
-        self._prefills: dict[str, _Prefill] = {}
+        self._prefills: dict[str, PrefillQueue] = {}
         self._decodes: dict[str, DecodeState] = {}
         self._pools: list[str] = []
         self._where: dict[str, tuple[str, str]] = {}  # request -> (prefill, decode)
@@ -198,7 +172,7 @@ class Conductor:
             return
         self.index.add_holder(instance_id)
         if role == "prefill":
-            self._prefills[instance_id] = _Prefill(instance_id, shape)
+            self._prefills[instance_id] = PrefillQueue(instance_id, shape)
         elif instance_id not in self._pools:
             self._pools.append(instance_id)
 
@@ -225,12 +199,14 @@ class Conductor:
         prompt_len: int,
         now: float,
         best: tuple[int, str | None] = (0, None),
+        priority: int | None = None,
     ) -> Estimate:
         """TTFT parts on one prefill instance; with ``best`` = (blocks, holder) the instance may
-        copy the blocks it lacks from the holder (kvcentric)."""
+        copy the blocks it lacks from the holder (kvcentric); ``priority``: the request's under
+        the priority policy (None: fcfs), which decides what of the queue it waits for."""
         bt = self.config.block_tokens
         local = self.index.match(instance_id, keys)
-        queue_s = self._prefills[instance_id].queue_s(now)
+        queue_s = self._prefills[instance_id].queue_s(now, priority)
         cap = prompt_len - 1  # the last token is always computed
         cached = min(local * bt, cap)
         timing = self._prefill_time(instance_id, prompt_len, cached)
@@ -271,10 +247,18 @@ class Conductor:
         prompt_len: int,
         now: float,
         output_tokens: int | None = None,
+        priority: int = 0,
     ) -> pl.Decision:
         """``output_tokens``: the request's output length when known (an oracle the simulator
         can give, to bound what a better decode-time prediction would gain): its KV and its
-        decode time (that many steps at the estimated TBT) then replace the averages."""
+        decode time (that many steps at the estimated TBT) then replace the averages.
+
+        ``priority`` (under the scheduling policy "priority"; ignored under fcfs): the TTFT is
+        estimated with the part of the prefill queue it waits for (prefill_queue.py), and checked
+        against the SLO; the decode instance and the decode-load check are judged at the moment
+        its prefill would end in arrival order, the same for every priority. So at one moment,
+        for one prompt, the verdict is monotone in priority: if a request is admitted, one of
+        any lower priority value would be too (and placed on the same decode instance)."""
         if prompt_len < 1:
             raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
         if output_tokens is not None and output_tokens < 0:
@@ -286,11 +270,15 @@ class Conductor:
             return _reject(request_id, pl.REJECT_NO_PREFILL)
         if not self._decodes:
             return _reject(request_id, pl.REJECT_NO_DECODE)
-        est = self._choose_prefill(keys, prompt_len, now)
+        prio = priority if self.config.scheduling_policy == "priority" else None
+        est = self._choose_prefill(keys, prompt_len, now, prio)
         out = self.expected_output_tokens() if output_tokens is None else output_tokens
         tokens = prompt_len + out  # KV it will hold on its decode
-        decode, est_tbt = self._choose_decode(tokens, now + est.ttft_s)
-        reason = self._rejection(est.ttft_s, decode, tokens, now)
+        t_decode = now + (
+            est.ttft_s if prio is None else self._fcfs_ttft(est, keys, prompt_len, now)
+        )
+        decode, est_tbt = self._choose_decode(tokens, t_decode)
+        reason = self._rejection(est.ttft_s, decode, tokens, t_decode)
         if reason:
             return _reject(request_id, reason, est.ttft_s, est_tbt)
         copies: tuple[pl.BlockCopy, ...] = ()
@@ -306,7 +294,11 @@ class Conductor:
         # updates the chosen instance's cache"); its events will confirm or correct this.
         self.index.stored(est.instance_id, keys)
         busy = est.prefill_s if est.busy_s is None else est.busy_s
-        self._prefills[est.instance_id].push(request_id, est.transfer_s + busy, now)
+        seconds = est.transfer_s + busy
+        for later in self._prefills[est.instance_id].push(request_id, seconds, now, prio):
+            where = self._where.get(later)  # its prefill ends that much later
+            if where is not None and where[1] in self._decodes:
+                self._decodes[where[1]].delay(later, seconds)
         cached = min(est.prefix_blocks * self.config.block_tokens, prompt_len - 1)
         self._prefill_est[request_id] = (prompt_len - cached, cached)
         duration = None
@@ -326,17 +318,26 @@ class Conductor:
             "",
         )
 
-    def _choose_prefill(self, keys: list, prompt_len: int, now: float) -> Estimate:
+    def _fcfs_ttft(self, est: Estimate, keys: list, prompt_len: int, now: float) -> float:
+        """The TTFT of the prefill placement in arrival order (the request's priority ignored):
+        where the decode side is judged under the priority policy."""
+        if self.config.policy in ("random", "round_robin"):  # the pick does not depend on it
+            return self.estimate(est.instance_id, keys, prompt_len, now).ttft_s
+        return self._choose_prefill(keys, prompt_len, now, None).ttft_s
+
+    def _choose_prefill(
+        self, keys: list, prompt_len: int, now: float, priority: int | None = None
+    ) -> Estimate:
         ids = list(self._prefills)
         policy = self.config.policy
         if policy == "random":
-            return self.estimate(self._rng.choice(ids), keys, prompt_len, now)
+            return self.estimate(self._rng.choice(ids), keys, prompt_len, now, priority=priority)
         if policy == "round_robin":
             self._rr = (self._rr + 1) % len(ids)
-            return self.estimate(ids[self._rr], keys, prompt_len, now)
+            return self.estimate(ids[self._rr], keys, prompt_len, now, priority=priority)
         if policy == "load":
-            pick = min(ids, key=lambda i: self._prefills[i].queue_s(now))
-            return self.estimate(pick, keys, prompt_len, now)
+            pick = min(ids, key=lambda i: self._prefills[i].queue_s(now, priority))
+            return self.estimate(pick, keys, prompt_len, now, priority=priority)
         best: tuple[int, str | None] = (0, None)
         if policy == "kvcentric":
             src = self.config.copy_sources
@@ -345,7 +346,7 @@ class Conductor:
                 n = self.index.match(holder, keys)
                 if n > best[0]:
                     best = (n, holder)
-        ests = [self.estimate(i, keys, prompt_len, now, best) for i in ids]
+        ests = [self.estimate(i, keys, prompt_len, now, best, priority) for i in ids]
         return min(ests, key=lambda e: (e.ttft_s, e.queue_s))
 
     def _choose_decode(self, tokens: int, t_ready: float) -> tuple[str, float]:
@@ -388,7 +389,9 @@ class Conductor:
             return self.config.prior_decode_time_s
         return sum(self._decode_times) / len(self._decode_times)
 
-    def _rejection(self, ttft_s: float, decode: str, tokens: int, now: float) -> str:
+    def _rejection(self, ttft_s: float, decode: str, tokens: int, t_decode: float) -> str:
+        """Why to refuse (a decision.REJECT_*), or "": the TTFT over its SLO, or the decode pool's
+        load (``predicted``: at ``t_decode``, when the prefill ends) over the TBT SLO."""
         cfg = self.config
         if ttft_s > cfg.ttft_slo_s:
             return pl.REJECT_TTFT
@@ -400,9 +403,9 @@ class Conductor:
                 tbt_now(s, predict, tokens if d == decode else 0) for d, s in self._decodes.items()
             ]
         else:
-            t, td = now + ttft_s, self.decode_time_s()
+            td = self.decode_time_s()
             tbts = [
-                tbt_at(s, predict, t, td, tokens if d == decode else 0)
+                tbt_at(s, predict, t_decode, td, tokens if d == decode else 0)
                 for d, s in self._decodes.items()
             ]
         return pl.REJECT_TBT if pool_load(tbts, cfg.tbt_slo_s) > 1.0 else ""

@@ -45,6 +45,13 @@ class DecodeState:
         if duration is not None:
             self.durations[request_id] = duration
 
+    def delay(self, request_id: str, seconds: float) -> None:
+        """A request still in prefill will join ``seconds`` later (one of higher priority went
+        ahead of it in its prefill queue)."""
+        entry = self.incoming.get(request_id)
+        if entry is not None:
+            self.incoming[request_id] = (entry[0], entry[1] + seconds)
+
     def start(self, request_id: str, now: float) -> None:
         entry = self.incoming.pop(request_id, None)
         if entry is not None:

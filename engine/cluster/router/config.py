@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.async_llm import EngineDeadError
+from engine.config import SCHEDULING_POLICIES
 
 
 class ClusterUnavailableError(EngineDeadError):
@@ -36,6 +37,10 @@ class RouterConfig:
     # How long a prefill waits for the block copy the Conductor planned before it (then it runs
     # and recomputes what did not arrive).
     copy_timeout_s: float = 2.0
+    # "fcfs": requests must carry priority 0 (else a 400 naming it); "priority": the Conductor
+    # orders its prefill queues by (priority, arrival) and the workers (engine cluster gives them
+    # this policy) order theirs (docs/cluster.md "Priorities").
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in (
@@ -49,6 +54,11 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                "scheduling_policy (--scheduling-policy) must be one of "
+                f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         if self.kv_transport not in (None, "shm", "tcp", "mooncake"):
             raise ValueError(
                 f"kv_transport must be shm, tcp or mooncake, got {self.kv_transport!r}"

@@ -187,7 +187,7 @@ class Phases:
 
     def _place(self, req: RouterRequest) -> None:
         placed = self.placement.place(
-            req.ids, self.members.live("prefill"), self.members.live("decode")
+            req.ids, self.members.live("prefill"), self.members.live("decode"), req.priority
         )
         if placed is None:
             exc = self.placement.rejection_error()  # an SLO's: 429
@@ -225,6 +225,7 @@ class Phases:
             sender_local=alone and shm_pairs.shares_pids(p, d),
             senders=len(legs),
             stage_pids=[] if alone else [_stage_pid(s, d) for s in legs],
+            priority=req.priority,
         )
         if not self._send(self.members.workers[req.decode], msg):
             self._retry(req, f"decode worker {req.decode} is unreachable")
@@ -277,6 +278,7 @@ class Phases:
                 stage_next=legs[i + 1].hidden_address if i + 1 < len(legs) else "",
                 prefix_tokens=prefix if i == 0 else -1,
                 deadline_s=self.cfg.transfer_deadline_s,
+                priority=req.priority,
             )
             if not self._send(p, msg):
                 self._retry(req, f"prefill worker {p.worker_id} is unreachable")

@@ -39,6 +39,7 @@ class RouterRequest:
     deadline: float
     choices: list[Choice]
     metrics: RequestMetrics
+    priority: int = 0  # vLLM's (lower first): the Conductor's queues and the workers' order by it
     phase: str = "new"  # one of PHASES
     prefill: str = ""  # the prefill unit: a worker, or a group (``group:NAME``)
     decode: str = ""

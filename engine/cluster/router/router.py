@@ -31,7 +31,7 @@ from engine.cluster.router.phases import Phases
 from engine.cluster.router.request import Choice, RouterRequest
 from engine.core.metrics import EngineMetrics, MetricsSnapshot
 from engine.core.scheduler import QueueFullError
-from engine.core.validation import validate_prompt
+from engine.core.validation import validate_priority, validate_prompt
 from engine.errors import RequestError
 from engine.kvstore.block_events import BlockEvent
 from engine.model.loader import open_checkpoint
@@ -93,6 +93,7 @@ class Router:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
         if params.prompt_logprobs is not None:  # the workers do not send them back yet
@@ -107,6 +108,7 @@ class Router:
         else:
             text, ids = None, list(prompt)
         validate_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)
+        validate_priority(priority, self.cfg.scheduling_policy)
         if len(self._requests) >= self.cfg.max_pending:
             raise QueueFullError(f"too many requests in flight ({self.cfg.max_pending})")
         queue: asyncio.Queue = asyncio.Queue()
@@ -121,6 +123,7 @@ class Router:
             now + self.cfg.request_timeout_s,
             [Choice(logprobs=[] if params.logprobs is not None else None) for _ in range(params.n)],
             RequestMetrics(arrival_time=now),
+            priority,
         )
         self._io.command(cmd.Submit(req))
         finished = False

@@ -19,7 +19,13 @@ from engine.cluster.transfer.receiver import KVReceiver
 from engine.cluster.transfer.seal import prompt_digest
 from engine.cluster.transfer.staging import StagingArena
 from engine.cluster.worker.handoff import admit
-from engine.cluster.worker.roles import Emit, Role, WorkerSeams, mooncake_endpoint
+from engine.cluster.worker.roles import (
+    Emit,
+    Role,
+    WorkerSeams,
+    engine_priority,
+    mooncake_endpoint,
+)
 from engine.cluster.worker.worker_config import WorkerConfig
 from engine.core.llm_engine import LLMEngine
 from engine.ipc.wire import output_to_wire, params_from_wire
@@ -37,6 +43,7 @@ DEADLINE_CHECK_S = 0.1  # how often a worker's loop expires transfers past their
 class _Expected:
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int  # the engine's (roles.engine_priority)
     # The first tokens the client was sent, by choice (the router's FirstTokens): what a
     # transfer that fails before its KVDone recomputes from.
     seen: dict[int, dict] = field(default_factory=dict)
@@ -151,7 +158,8 @@ class DecodeRole(Role):
         except (ValueError, TypeError, MemoryError) as exc:
             self.emit(m.DecodeReady(rid, 0, 0, error=str(exc)))
             return
-        self.expected[rid] = _Expected(list(msg.prompt_token_ids), params)
+        priority = engine_priority(self.engine, msg.priority)
+        self.expected[rid] = _Expected(list(msg.prompt_token_ids), params, priority)
         self.emit(m.DecodeReady(rid, t.offset, t.layout.nbytes))
         if params.structured_outputs is not None:
             # Compile while the prefill runs: admission then finds it cached (a failure or a
@@ -220,6 +228,7 @@ class DecodeRole(Role):
                 exp.params,
                 firsts,
                 [bytes(f) for f in done.frames] if done is not None else [],
+                exp.priority,
             )
         except Exception as exc:  # queue full, validation: tell the router
             self.receiver.release(rid)

@@ -68,11 +68,13 @@ def admit(
     params: SamplingParams,
     firsts: list[dict] | None,
     states: list[bytes],
+    priority: int = 0,
 ) -> list[str]:
-    """Add the request to the decode engine; with ``firsts``, every choice continues from its
-    first token. Returns the engine request ids that still generate (for the KV receiver)."""
+    """Add the request to the decode engine (with ``priority``); with ``firsts``, every choice
+    continues from its first token. Returns the engine request ids that still generate (for the
+    KV receiver)."""
     if firsts is None:
-        engine.add_request(prompt_token_ids, params, request_id=request_id)
+        engine.add_request(prompt_token_ids, params, request_id=request_id, priority=priority)
         return [r.request_id for r in engine.requests_of(request_id)]
     states_iter = iter(states)
     tokens = [
@@ -84,4 +86,4 @@ def admit(
         )
         for first in sorted(firsts, key=lambda f: f["index"])
     ]
-    return engine.add_prefilled(prompt_token_ids, params, request_id, tokens)
+    return engine.add_prefilled(prompt_token_ids, params, request_id, tokens, priority)

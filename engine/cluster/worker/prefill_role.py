@@ -21,7 +21,13 @@ from engine.cluster.transfer.sender import KVSender, SendTarget
 from engine.cluster.transfer.staging import KVLayout
 from engine.cluster.worker.block_copy import BlockCopier
 from engine.cluster.worker.handoff import Captured, capture, first_output
-from engine.cluster.worker.roles import Emit, Role, WorkerSeams, mooncake_endpoint
+from engine.cluster.worker.roles import (
+    Emit,
+    Role,
+    WorkerSeams,
+    engine_priority,
+    mooncake_endpoint,
+)
 from engine.cluster.worker.worker_config import WorkerConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request
@@ -112,7 +118,13 @@ class PrefillRole(Role):
             self.emit(m.RequestError(rid, self.worker_id, 500, "KV layouts differ"))
             return []
         try:
-            self.engine.add_request(msg.prompt_token_ids, params, request_id=rid, **stage_fields)
+            self.engine.add_request(
+                msg.prompt_token_ids,
+                params,
+                request_id=rid,
+                priority=engine_priority(self.engine, msg.priority),
+                **stage_fields,
+            )
         except QueueFullError as exc:
             self.emit(m.RequestError(rid, self.worker_id, 429, str(exc)))
             return []

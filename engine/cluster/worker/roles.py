@@ -27,6 +27,15 @@ from engine.outputs import RequestOutput
 
 Emit = Callable[[m.Message], None]
 
+
+def engine_priority(engine: LLMEngine, priority: int) -> int:
+    """The priority a worker's engine is given for a request the router sent with ``priority``:
+    itself under the priority scheduling policy, 0 under fcfs (the worker serves in arrival
+    order what the router admitted, rather than refusing it: the router's policy is what
+    clients see, and ``engine cluster`` gives the workers its own)."""
+    return priority if engine.scheduler.config.policy == "priority" else 0
+
+
 # The router's messages for a worker's role that are neither work nor an abort: a role acts on
 # those it knows and ignores the others.
 ROLE_MESSAGES = (m.FirstTokens, m.SourceGone, m.ShmProbe, m.CopyBlocks)

@@ -77,7 +77,7 @@ class Scripted(PlacementBase):
         self.copies: list = []
         self.done: list[int] = []
 
-    def place(self, prompt_token_ids, prefill, decode):
+    def place(self, prompt_token_ids, prefill, decode, priority=0):
         where, self.copies = self.plan.pop(0)
         return (where, decode[0].worker_id)
 

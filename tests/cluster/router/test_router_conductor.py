@@ -272,7 +272,7 @@ class CopyingPlacement(PlacementBase):
         self.blocks = blocks
         self.done: list[tuple[str, int]] = []
 
-    def place(self, prompt_token_ids, prefill, decode):
+    def place(self, prompt_token_ids, prefill, decode, priority=0):
         return ("p1", "d0")
 
     def planned_copies(self):
