@@ -94,10 +94,7 @@ def test_async_llm_takes_priority_beside_the_params():
     llm = AsyncLLM(config=config)
 
     async def last(prompt, priority):
-        out = None
-        async for out in llm.generate(prompt, PARAMS, priority=priority):
-            pass
-        return out
+        return [out async for out in llm.generate(prompt, PARAMS, priority=priority)][-1]
 
     async def main():
         # The first holds the only sequence slot (it has produced a token) while the others

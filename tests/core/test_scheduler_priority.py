@@ -85,7 +85,6 @@ def preempted_on_growth(policy, specs) -> list[str]:
     sched = scheduler(policy, num_blocks=7, block_size=4)
     for rid, prio, t in specs:
         sched.add_request(make(rid, prio, t, max_tokens=20))
-    done: list[str] = []
     for _ in range(20):
         out = sched.schedule()
         if out.preempted:

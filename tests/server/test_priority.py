@@ -101,9 +101,7 @@ def served_in_order(send, priorities, llm, hold) -> list[int]:
             errors.append(exc)
 
     with hold():
-        threads = [
-            threading.Thread(target=one, args=(i, p)) for i, p in enumerate(priorities)
-        ]
+        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(priorities)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
