@@ -43,9 +43,15 @@ def _llm(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = args.prompt or ["Hello! Who are you?"]
+    if args.priority is not None:  # said before the model loads (the engine checks them too)
+        given, n = len(args.priority), len(prompts)
+        if given != n:
+            raise ValueError(f"--priority given {given} times for {n} prompts (one per --prompt)")
+        if any(args.priority) and args.scheduling_policy != "priority":
+            raise ValueError("--priority other than 0 needs --scheduling-policy priority")
     llm = _llm(args)
     params = sampling_params_from_args(args)
-    prompts = args.prompt or ["Hello! Who are you?"]
     if args.raw:
         outs = llm.generate(prompts, params, priority=args.priority)
     else:

@@ -1,0 +1,70 @@
+"""The priority benchmark's workload and figures (no server), and one tiny run of the whole
+benchmark against two real servers on a tiny model (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.bench.priority import (
+    HIGH,
+    LOW,
+    Sample,
+    body,
+    chat_requests,
+    main,
+    ratios,
+    summarize,
+)
+
+
+def test_chat_requests_spread_the_high_ones_and_are_the_same_for_both_policies():
+    reqs = chat_requests(20, 12, 0.25, seed=3)
+    assert [i for i, r in enumerate(reqs) if r.high] == [0, 4, 8, 12, 16]
+    assert [r.messages for r in reqs] == [r.messages for r in chat_requests(20, 12, 0.25, 3)]
+    assert all(len(r.messages[0]["content"].split()) == 12 + 2 for r in reqs)
+    with pytest.raises(ValueError, match="high_share"):
+        chat_requests(4, 4, 0.0, 0)
+
+
+def test_only_the_priority_run_sends_a_priority():
+    req = chat_requests(2, 3, 0.5, 0)
+    assert "priority" not in body(req[0], "m", "fcfs", 8)
+    assert body(req[0], "m", "priority", 8)["priority"] == HIGH
+    assert body(req[1], "m", "priority", 8)["priority"] == LOW
+    assert body(req[1], "m", "priority", 8)["stream"] is True
+
+
+def test_summary_per_class_and_the_ratio_of_the_p90s():
+    samples = [Sample(True, ttft=t / 1e3, e2el=1.0, output_tokens=4) for t in range(1, 11)]
+    samples += [Sample(False, ttft=2.0, e2el=3.0, output_tokens=4) for _ in range(10)]
+    s = summarize(samples, seconds=8.0)
+    assert s["output_tok_s"] == 10.0
+    assert s["high"]["requests"] == 10 and s["high"]["ttft_p90_ms"] == pytest.approx(9.1)
+    assert s["low"]["ttft_p50_ms"] == pytest.approx(2000.0)
+    runs = [
+        {"policy": "fcfs", "high": {"ttft_p90_ms": 100.0}, "low": {"ttft_p90_ms": 100.0}},
+        {"policy": "priority", "high": {"ttft_p90_ms": 20.0}, "low": {"ttft_p90_ms": 130.0}},
+    ]
+    assert ratios(runs) == {"high": 0.2, "low": 1.3}
+    with pytest.raises(RuntimeError, match="1 request"):
+        summarize([Sample(True, error="HTTP 400")], 1.0)
+
+
+@pytest.mark.slow
+def test_a_tiny_run_against_both_policies(tmp_path, capsys):
+    from tiny_models import tiny_model
+
+    out = tmp_path / "priority.json"
+    argv = ["--num-requests", "8", "--max-tokens", "3", "--prompt-words", "8",
+            "--max-num-seqs", "2", "--high-share", "0.25", "--model", str(tiny_model("llama")),
+            "--dtype", "float32", "--kv-cache-memory-gb", "0.05"]  # fmt: skip
+    argv += ["--save-result", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| priority | high | 2 |" in text and "| fcfs | low | 6 |" in text
+    assert "high-priority TTFT p90, priority / fcfs" in text and "CPU: " in text
+    saved = json.loads(out.read_text())
+    assert [r["policy"] for r in saved["runs"]] == ["fcfs", "priority"]
+    assert all(r["clients"] == 4 for r in saved["runs"])
