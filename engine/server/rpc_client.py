@@ -117,8 +117,10 @@ def _overflow_reply() -> r.Error:
 
 
 def _request(
-    stream: bool, prompt, params, request_id, cache_salt, timeout, priority=0
+    stream: bool, prompt, params, kwargs, request_id, cache_salt, timeout, priority
 ) -> r.Generate:
+    """The call's message: ``params`` (SamplingParams, a map or None) with the ``kwargs``
+    overrides, and the call's options."""
     if isinstance(priority, int) and not -(2**63) <= priority < 2**63:  # not for the wire
         message = f"priority must be in [-2**63, 2**63 - 1], got {priority}"
         raise RPCError(message, 400, "BadRequestError", "priority")
@@ -126,7 +128,7 @@ def _request(
     request_id = request_id or uuid.uuid4().hex
     return kind(
         prompt=prompt,
-        params=params,
+        params=params_dict(params, **kwargs),
         request_id=request_id,
         cache_salt=cache_salt,
         timeout=timeout,
@@ -179,37 +181,17 @@ class RPCClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(
-        self,
-        prompt,
-        params=None,
-        *,
-        request_id=None,
-        cache_salt=None,
-        timeout=None,
-        priority=0,
-        **kwargs,
-    ) -> GenerateResult:
+    def generate(self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None,
+                 priority=0, **kwargs) -> GenerateResult:  # fmt: skip
         timeout = timeout or self.timeout
-        params = params_dict(params, **kwargs)
-        msg = _request(False, prompt, params, request_id, cache_salt, timeout, priority)
+        msg = _request(False, prompt, params, kwargs, request_id, cache_salt, timeout, priority)
         return result_from_wire(self._call(msg, timeout))
 
-    def stream(
-        self,
-        prompt,
-        params=None,
-        *,
-        request_id=None,
-        cache_salt=None,
-        timeout=None,
-        priority=0,
-        **kwargs,
-    ) -> Iterator[StreamDelta]:
+    def stream(self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None,
+               priority=0, **kwargs) -> Iterator[StreamDelta]:  # fmt: skip
         """Yield deltas as they come; closing the iterator early aborts the request."""
         timeout = timeout or self.timeout
-        params = params_dict(params, **kwargs)
-        msg = _request(True, prompt, params, request_id, cache_salt, timeout, priority)
+        msg = _request(True, prompt, params, kwargs, request_id, cache_salt, timeout, priority)
         call_id, box = self._send(msg)
         deadline = time.monotonic() + timeout
         done = False
@@ -326,36 +308,16 @@ class AsyncRPCClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def generate(
-        self,
-        prompt,
-        params=None,
-        *,
-        request_id=None,
-        cache_salt=None,
-        timeout=None,
-        priority=0,
-        **kwargs,
-    ) -> GenerateResult:
+    async def generate(self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None,
+                       priority=0, **kwargs) -> GenerateResult:  # fmt: skip
         timeout = timeout or self.timeout
-        params = params_dict(params, **kwargs)
-        msg = _request(False, prompt, params, request_id, cache_salt, timeout, priority)
+        msg = _request(False, prompt, params, kwargs, request_id, cache_salt, timeout, priority)
         return result_from_wire(await self._call(msg, timeout))
 
-    async def stream(
-        self,
-        prompt,
-        params=None,
-        *,
-        request_id=None,
-        cache_salt=None,
-        timeout=None,
-        priority=0,
-        **kwargs,
-    ) -> AsyncIterator[StreamDelta]:
+    async def stream(self, prompt, params=None, *, request_id=None, cache_salt=None, timeout=None,
+                     priority=0, **kwargs) -> AsyncIterator[StreamDelta]:  # fmt: skip
         timeout = timeout or self.timeout
-        params = params_dict(params, **kwargs)
-        msg = _request(True, prompt, params, request_id, cache_salt, timeout, priority)
+        msg = _request(True, prompt, params, kwargs, request_id, cache_salt, timeout, priority)
         call_id, queue = await self._send(msg)
         deadline = time.monotonic() + timeout
         done = False

@@ -11,8 +11,8 @@ import time
 import httpx
 import msgpack
 import pytest
-import zmq
 from serverutil import MAX_MODEL_LEN, MODEL, RPCThread, http_server, wait_idle
+from test_rpc import _raw_dealer
 from tiny_models import tiny_model
 
 from engine.client import AsyncRPCClient, RPCClient, RPCError
@@ -172,10 +172,7 @@ def test_rpc_bad_priority_is_a_400_naming_it(prio_rpc, priority):
 @pytest.mark.parametrize("priority", [2**63, 2**64 - 1, "high", None])
 def test_rpc_server_checks_the_wire_field_itself(prio_rpc, priority):
     """What another client might send (ours refuses out-of-range ints before sending)."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(prio_rpc.address)
+    sock = _raw_dealer(prio_rpc.address)
     try:
         sock.send(msgpack.packb({"id": 1, "op": "generate", "prompt": "Hi", "priority": priority}))
         reply = msgpack.unpackb(sock.recv(), raw=False)

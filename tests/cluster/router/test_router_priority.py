@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -39,22 +40,20 @@ class Recording(ScriptedWorkers):
 
 @pytest.fixture
 def started():
-    made = []
+    with contextlib.ExitStack() as stack:  # closes the workers, then their router
 
-    def start(hold=False, frozen_clock=False, **cfg):
-        cfg = RouterConfig(heartbeat_timeout_s=60.0, **cfg)
-        placement = make_placement(cfg)
-        if frozen_clock:  # queued prefills never drain by the clock: the estimates hold still
-            placement.clock = lambda: 1000.0
-        router = Router(cfg, placement)
-        workers = Recording(router, ["p0"], ["d0"], hold=hold)
-        made.append((router, workers))
-        return router, workers
+        def start(hold=False, frozen_clock=False, **cfg):
+            cfg = RouterConfig(heartbeat_timeout_s=60.0, **cfg)
+            placement = make_placement(cfg)
+            if frozen_clock:  # queued prefills never drain by the clock: estimates hold still
+                placement.clock = lambda: 1000.0
+            router = Router(cfg, placement)
+            stack.callback(router.close)
+            workers = Recording(router, ["p0"], ["d0"], hold=hold)
+            stack.callback(workers.close)
+            return router, workers
 
-    yield start
-    for router, workers in made:
-        workers.close()
-        router.close()
+        yield start
 
 
 def prompt(i: int) -> list[int]:
