@@ -4,8 +4,10 @@ than the engine serves at once, a share of them high-priority, against ``engine 
 time to first token of each class under each policy, and the high-priority TTFT p90 under
 priority over the same under fcfs.
 
-The load is a closed loop: ``overload x --max-num-seqs`` clients, each sending its next request
-when its last one ended, so the engine always has as many requests waiting as running. Requests
+Both servers are up for the whole run; each round sends new requests to one and then the same
+to the other (the order alternating). The load is a closed loop: ``overload x --max-num-seqs``
+clients, each sending its next request when its last one ended, so the engine always has as many
+requests waiting as running. Requests
 stream ``/v1/chat/completions`` (``ignore_eos``, greedy); every ``1 / high_share``-th is a
 high-priority one. Under priority they carry ``priority`` 0 (high) or 1 (low); under fcfs no
 priority (the server would refuse one), so they are served in arrival order.
@@ -137,23 +139,32 @@ def summarize(samples: list[Sample], seconds: float) -> dict:
     return out
 
 
-def run_policy(args, policy: str, requests: list[ChatRequest]) -> dict:
-    """``engine serve`` with ``--scheduling-policy policy`` and the other engine options given:
-    a warm-up, then the load; the server is stopped after."""
-    args = argparse.Namespace(**{**vars(args), "scheduling_policy": policy})
-    proc, url = launch_server(args)
-    try:
-        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        clients = max(1, round(args.overload * args.max_num_seqs))
-        warm = chat_requests(args.max_num_seqs, args.prompt_words, 1.0, args.seed + 1000)
-        asyncio.run(closed_loop(url, model, warm, args.max_num_seqs, policy, 4))
-        samples, seconds = asyncio.run(
-            closed_loop(url, model, requests, clients, policy, args.max_tokens)
+class Server:
+    """``engine serve --scheduling-policy POLICY`` with the other engine options given, up for
+    the whole benchmark (an idle one costs the other nothing), warmed up before the first run."""
+
+    def __init__(self, args, policy: str) -> None:
+        self.policy = policy
+        self.proc, self.url = launch_server(
+            argparse.Namespace(**{**vars(args), "scheduling_policy": policy})
         )
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    return {"policy": policy, "clients": clients, "seconds": seconds} | summarize(samples, seconds)
+        self.model = httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        warm = chat_requests(args.max_num_seqs, args.prompt_words, 1.0, args.seed + 1000)
+        asyncio.run(closed_loop(self.url, self.model, warm, args.max_num_seqs, policy, 4))
+
+    def run(self, args, requests: list[ChatRequest]) -> dict:
+        """The load, ``overload x --max-num-seqs`` clients at a time, summarized."""
+        clients = max(1, round(args.overload * args.max_num_seqs))
+        samples, seconds = asyncio.run(
+            closed_loop(self.url, self.model, requests, clients, self.policy, args.max_tokens)
+        )
+        return {"policy": self.policy, "clients": clients, "seconds": seconds} | summarize(
+            samples, seconds
+        )
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=120)
 
 
 def print_table(runs: list[dict]) -> None:
@@ -170,11 +181,17 @@ def print_table(runs: list[dict]) -> None:
 
 
 def ratios(runs: list[dict]) -> dict:
-    """High- and low-priority TTFT p90 under priority over fcfs, the medians over the rounds."""
-    out = {}
+    """High- and low-priority TTFT p90 under priority over fcfs: each round's (both policies ran
+    its requests, one after the other) and their median, which a machine whose speed drifts
+    between rounds disturbs less than a ratio of the pooled runs would be."""
+    out: dict = {}
     for name in ("high", "low"):
-        by = {p: [r[name]["ttft_p90_ms"] for r in runs if r["policy"] == p] for p in POLICIES}
-        out[name] = float(np.median(by["priority"]) / np.median(by["fcfs"]))
+        per_round = []
+        for r in sorted({run["round"] for run in runs}):
+            p90 = {run["policy"]: run[name]["ttft_p90_ms"] for run in runs if run["round"] == r}
+            per_round.append(p90["priority"] / p90["fcfs"])
+        out[name] = float(np.median(per_round))
+        out[f"{name}_rounds"] = per_round
     return out
 
 
@@ -195,17 +212,29 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from engine.cpu_isa import this_cpu
 
-    requests = chat_requests(args.num_requests, args.prompt_words, args.high_share, args.seed)
+    servers: dict[str, Server] = {}
     runs = []
-    for r in range(args.rounds):  # the order reversed every other round: drift hits both
-        for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
-            runs.append(run_policy(args, policy, requests) | {"round": r})
-            print(f"round {r}, {policy}: done in {runs[-1]['seconds']:.1f} s", file=sys.stderr)
+    try:
+        for policy in POLICIES:
+            servers[policy] = Server(args, policy)
+        # Each round's requests are new (seed + round: no prefix-cache hits from a round before),
+        # the same for both policies; the order alternates, so drift hits both alike.
+        for r in range(args.rounds):
+            requests = chat_requests(
+                args.num_requests, args.prompt_words, args.high_share, args.seed + r
+            )
+            for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
+                runs.append(servers[policy].run(args, requests) | {"round": r})
+                print(f"round {r}, {policy}: {runs[-1]['seconds']:.1f} s", file=sys.stderr)
+    finally:
+        for server in servers.values():
+            server.stop()
     print_table(runs)
     rel = ratios(runs)
     print(
-        f"\nhigh-priority TTFT p90, priority / fcfs: {rel['high']:.2f}x "
-        f"(low-priority: {rel['low']:.2f}x); {args.max_num_seqs} sequences served at once, "
+        f"\nhigh-priority TTFT p90, priority / fcfs: {rel['high']:.2f}x, median of the rounds' "
+        f"{[round(x, 2) for x in rel['high_rounds']]} (low-priority: {rel['low']:.2f}x); "
+        f"{args.max_num_seqs} sequences served at once, "
         f"{round(args.overload * args.max_num_seqs)} clients, {args.high_share:.0%} high"
     )
     print(f"CPU: {this_cpu().model}")

@@ -43,11 +43,16 @@ def test_summary_per_class_and_the_ratio_of_the_p90s():
     assert s["output_tok_s"] == 10.0
     assert s["high"]["requests"] == 10 and s["high"]["ttft_p90_ms"] == pytest.approx(9.1)
     assert s["low"]["ttft_p50_ms"] == pytest.approx(2000.0)
-    runs = [
-        {"policy": "fcfs", "high": {"ttft_p90_ms": 100.0}, "low": {"ttft_p90_ms": 100.0}},
-        {"policy": "priority", "high": {"ttft_p90_ms": 20.0}, "low": {"ttft_p90_ms": 130.0}},
-    ]
-    assert ratios(runs) == {"high": 0.2, "low": 1.3}
+
+    def run(policy, r, high, low):
+        return {"policy": policy, "round": r, "high": {"ttft_p90_ms": high},
+                "low": {"ttft_p90_ms": low}}  # fmt: skip
+
+    runs = [run("fcfs", 0, 100, 100), run("priority", 0, 20, 130)]
+    runs += [run("priority", 1, 60, 100), run("fcfs", 1, 200, 100)]
+    rel = ratios(runs)
+    assert rel["high_rounds"] == [0.2, 0.3] and rel["high"] == pytest.approx(0.25)
+    assert rel["low_rounds"] == [1.3, 1.0] and rel["low"] == pytest.approx(1.15)
     with pytest.raises(RuntimeError, match="1 request"):
         summarize([Sample(True, error="HTTP 400")], 1.0)
 
