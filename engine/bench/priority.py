@@ -7,10 +7,14 @@ priority over the same under fcfs.
 Both servers are up for the whole run; each round sends new requests to one and then the same
 to the other (the order alternating). The load is a closed loop: ``overload x --max-num-seqs``
 clients, each sending its next request when its last one ended, so the engine always has as many
-requests waiting as running. Requests
-stream ``/v1/chat/completions`` (``ignore_eos``, greedy); every ``1 / high_share``-th is a
-high-priority one. Under priority they carry ``priority`` 0 (high) or 1 (low); under fcfs no
-priority (the server would refuse one), so they are served in arrival order.
+requests waiting as running. Requests stream ``/v1/chat/completions`` (``ignore_eos``, greedy)
+with output lengths spread around ``--max-tokens`` (``--output-spread``), as a chat's replies
+are, so that sequence slots free up one by one rather than in waves (with equal lengths every
+request that waits, of either class, waits for the whole wave before it). Every
+``1 / high_share``-th request is a high-priority one. Under priority they carry ``priority`` 0
+(high) or 1 (low); under fcfs no priority (the server would refuse one), so they are served in
+arrival order. The first ``clients`` requests of a run, sent together at its start, are not
+counted.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ POLICIES = ("fcfs", "priority")
 class ChatRequest:
     messages: list[dict]
     high: bool
+    max_tokens: int
 
 
 @dataclass
@@ -50,25 +55,33 @@ class Sample:
     error: str = ""
 
 
-def chat_requests(num: int, words: int, high_share: float, seed: int) -> list[ChatRequest]:
-    """``num`` user messages of ``words`` random words; every ``round(1 / high_share)``-th one
+def chat_requests(
+    num: int, words: int, high_share: float, seed: int, max_tokens: int = 32, spread: float = 0.0
+) -> list[ChatRequest]:
+    """``num`` user messages of ``words`` random words, each asking for a number of tokens
+    uniform in ``max_tokens x [1 - spread, 1 + spread]``; every ``round(1 / high_share)``-th one
     (from the first) is high-priority, so the high ones are spread through the load."""
     if not 0 < high_share <= 1:
         raise ValueError(f"high_share must be in (0, 1], got {high_share}")
+    if not 0 <= spread < 1:
+        raise ValueError(f"spread must be in [0, 1), got {spread}")
     every = max(1, round(1 / high_share))
+    lo, hi = max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
     rng = random.Random(seed)
     out = []
     for i in range(num):
         text = f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words))
-        out.append(ChatRequest([{"role": "user", "content": text}], i % every == 0))
+        out.append(
+            ChatRequest([{"role": "user", "content": text}], i % every == 0, rng.randint(lo, hi))
+        )
     return out
 
 
-def body(req: ChatRequest, model: str, policy: str, max_tokens: int) -> dict:
+def body(req: ChatRequest, model: str, policy: str) -> dict:
     out = {
         "model": model,
         "messages": req.messages,
-        "max_tokens": max_tokens,
+        "max_tokens": req.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -101,9 +114,8 @@ async def one(client: httpx.AsyncClient, payload: dict, sample: Sample) -> None:
 
 
 async def closed_loop(
-    base_url: str, model: str, requests: list[ChatRequest], clients: int, policy: str,
-    max_tokens: int,
-) -> tuple[list[Sample], float]:  # fmt: skip
+    base_url: str, model: str, requests: list[ChatRequest], clients: int, policy: str
+) -> tuple[list[Sample], float]:
     """Every request, ``clients`` at a time (each client sends its next when one ends): the
     samples in request order and the seconds the whole load took."""
     samples = [Sample(r.high) for r in requests]
@@ -114,19 +126,21 @@ async def closed_loop(
         async def worker() -> None:
             while pending:
                 i = pending.pop(0)
-                await one(client, body(requests[i], model, policy, max_tokens), samples[i])
+                await one(client, body(requests[i], model, policy), samples[i])
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
     return samples, time.perf_counter() - t0
 
 
-def summarize(samples: list[Sample], seconds: float) -> dict:
-    """TTFT p50/p90 and e2e p50 (ms) of each class, and the output tokens per second."""
+def summarize(samples: list[Sample], seconds: float, skip: int = 0) -> dict:
+    """TTFT p50/p90 and e2e p50 (ms) of each class, the first ``skip`` samples left out, and
+    the output tokens per second of them all."""
     errors = [s.error for s in samples if s.error]
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed, the first: {errors[0]}")
     out: dict = {"output_tok_s": sum(s.output_tokens for s in samples) / seconds}
+    samples = samples[skip:]
     for name, high in (("high", True), ("low", False)):
         group = [s for s in samples if s.high == high]
         ttft = np.array([s.ttft for s in group]) * 1e3
@@ -149,18 +163,17 @@ class Server:
             argparse.Namespace(**{**vars(args), "scheduling_policy": policy})
         )
         self.model = httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        warm = chat_requests(args.max_num_seqs, args.prompt_words, 1.0, args.seed + 1000)
-        asyncio.run(closed_loop(self.url, self.model, warm, args.max_num_seqs, policy, 4))
+        warm = chat_requests(args.max_num_seqs, args.prompt_words, 1.0, args.seed + 1000, 4)
+        asyncio.run(closed_loop(self.url, self.model, warm, args.max_num_seqs, policy))
 
     def run(self, args, requests: list[ChatRequest]) -> dict:
         """The load, ``overload x --max-num-seqs`` clients at a time, summarized."""
         clients = max(1, round(args.overload * args.max_num_seqs))
         samples, seconds = asyncio.run(
-            closed_loop(self.url, self.model, requests, clients, self.policy, args.max_tokens)
+            closed_loop(self.url, self.model, requests, clients, self.policy)
         )
-        return {"policy": self.policy, "clients": clients, "seconds": seconds} | summarize(
-            samples, seconds
-        )
+        summary = summarize(samples, seconds, skip=clients)  # not the burst at the start
+        return {"policy": self.policy, "clients": clients, "seconds": seconds} | summary
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -199,11 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=sys.modules[__name__].__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--num-requests", type=int, default=48, help="measured, per policy and round")
+    p.add_argument("--num-requests", type=int, default=80, help="per policy and round")
     p.add_argument("--high-share", type=float, default=0.2, help="of the requests, high-priority")
     p.add_argument("--overload", type=float, default=2.0, help="clients per --max-num-seqs")
     p.add_argument("--prompt-words", type=int, default=60, help="random words per message")
-    p.add_argument("--max-tokens", type=int, default=32, help="output tokens (ignore_eos)")
+    p.add_argument("--max-tokens", type=int, default=32, help="mean output tokens (ignore_eos)")
+    p.add_argument(
+        "--output-spread", type=float, default=0.75, help="output lengths: mean x [1 -+ this]"
+    )
     p.add_argument("--rounds", type=int, default=1, help="both policies, in turn, this often")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-result", default=None, help="write the runs as JSON here")
@@ -221,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         # the same for both policies; the order alternates, so drift hits both alike.
         for r in range(args.rounds):
             requests = chat_requests(
-                args.num_requests, args.prompt_words, args.high_share, args.seed + r
-            )
+                args.num_requests, args.prompt_words, args.high_share, args.seed + r,
+                args.max_tokens, args.output_spread,
+            )  # fmt: skip
             for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
                 runs.append(servers[policy].run(args, requests) | {"round": r})
                 print(f"round {r}, {policy}: {runs[-1]['seconds']:.1f} s", file=sys.stderr)
