@@ -80,6 +80,12 @@ STEPS = (
         "tokens equal; per-step time and launches reported (CUDA graphs on CUDA only)",
     ),
     Step(
+        "kvint8",
+        'the greedy step with LLM(kv_cache_dtype="int8"): engine kernels, then '
+        "ENGINE_KERNELS=torch",
+        "tokens equal but at near-ties; prompt logprobs within bf16's atol+rtol",
+    ),
+    Step(
         "spec",
         'LLM(speculative_config={"method": "ngram"}): the greedy prompts, drafts verified on the '
         "device",
@@ -140,10 +146,10 @@ def generate_all(llm, params) -> list[dict]:
     return rows
 
 
-def step_greedy(args) -> dict:
+def step_greedy(args, **config) -> dict:
     from engine import LLM
 
-    llm = LLM.from_config(engine_config(args))
+    llm = LLM.from_config(engine_config(args, **config))
     params = sampling(logprobs=2, prompt_logprobs=1)
     t0 = time.perf_counter()
     first = generate_all(llm, params)
@@ -155,6 +161,10 @@ def step_greedy(args) -> dict:
     dtype = str(llm.engine.dtype).removeprefix("torch.")
     llm.close()
     return {"rows": first, "dtype": dtype, "first_s": t1 - t0, "second_s": t2 - t1}
+
+
+def step_kvint8(args) -> dict:
+    return step_greedy(args, kv_cache_dtype="int8")
 
 
 def compare_greedy(ours: dict, ref: dict) -> dict:
@@ -340,8 +350,11 @@ STEP_FUNCS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "pool": step_pool,
     "pd": step_pd,
     "graphs": step_graphs,
+    "kvint8": step_kvint8,
     "spec": step_spec,
 }
+# Steps run twice, with the engine's kernels and with ENGINE_KERNELS=torch, then compared.
+PAIRED = ("greedy", "kvint8")
 
 
 def run_child(args, name: str, env_extra: dict[str, str], tag: str) -> dict:
@@ -410,14 +423,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         args.step_timeout = min(args.timeout, left)
         print(f"e2e {name} ...", flush=True)
-        if name == "greedy":
-            ours = run_child(args, name, {}, "greedy")
-            ref = run_child(args, name, {"ENGINE_KERNELS": "torch"}, "greedy-torch")
-            results["greedy"] = ours
-            results["greedy-torch"] = ref
+        if name in PAIRED:
+            ours = run_child(args, name, {}, name)
+            ref = run_child(args, name, {"ENGINE_KERNELS": "torch"}, f"{name}-torch")
+            results[name] = ours
+            results[f"{name}-torch"] = ref
             if ours["ok"] and ref["ok"]:
-                cmp = compare_greedy(ours, ref)
-                results["greedy-parity"] = cmp
+                results[f"{name}-parity"] = compare_greedy(ours, ref)
         else:
             results[name] = run_child(args, name, {}, name)
         for key in [k for k in results if k.startswith(name)]:

@@ -9,12 +9,13 @@ import triton.language as tl
 from engine.kernels._launch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    KV_DTYPES,
     check_devices,
     check_tensor,
     on_tensor_device,
     paged_cache_strides,
 )
-from engine.kernels.kv_quant import to_cache
+from engine.kernels.kv_quant import is_quantized, row_elems, to_cache
 
 
 def kv_store_ref(
@@ -78,6 +79,59 @@ def _kv_store_kernel(
     tl.store(v_dst, v, mask=mask)
 
 
+@triton.jit
+def _kv_store_int8_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # Grid (tokens, KV heads): one program quantizes one token's K and V row of one head into
+    # [HEAD_DIM int8 values | fp16 scale], as kv_quant.quantize_int8 does, bit for bit.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    d = tl.arange(0, HEAD_DIM_PAD)
+    mask = d < HEAD_DIM
+    k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask, other=0.0)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + head * stride_kch
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + head * stride_vch
+    _store_int8_row(k.to(tl.float32), k_dst, d, mask, HEAD_DIM)
+    _store_int8_row(v.to(tl.float32), v_dst, d, mask, HEAD_DIM)
+
+
+@triton.jit
+def _store_int8_row(x, dst, d, mask, HEAD_DIM: tl.constexpr):
+    scale = tl.math.div_rn(tl.max(tl.abs(x), 0), 127.0).to(tl.float16)  # IEEE, as torch
+    s = scale.to(tl.float32)
+    q = tl.where(s > 0, tl.math.div_rn(x, tl.where(s > 0, s, 1.0)), 0.0)
+    # Round half to even as torch.round does: adding and taking away 1.5 * 2^23 leaves the
+    # nearest even integer in float32 arithmetic (|q| <= 127 here).
+    q = (q + 12582912.0) - 12582912.0
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    tl.store(dst + d, q.to(tl.int8), mask=mask)
+    tl.store((dst + HEAD_DIM).to(tl.pointer_type(tl.float16), bitcast=True), scale)
+
+
 @on_tensor_device
 def kv_store_triton(
     key: torch.Tensor,
@@ -91,13 +145,11 @@ def kv_store_triton(
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
     num_tokens, num_kv_heads, head_dim = key.shape
     check_tensor("value", value, dtypes=FLOAT_DTYPES, shape=tuple(key.shape), last_contiguous=True)
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, last_contiguous=True)
-    check_tensor(
-        "k_cache", k_cache, shape=(None, None, num_kv_heads, head_dim), last_contiguous=True
-    )
-    check_tensor(
-        "v_cache", v_cache, dtypes=FLOAT_DTYPES, shape=tuple(k_cache.shape), last_contiguous=True
-    )
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES, last_contiguous=True)
+    row = row_elems(k_cache.dtype, head_dim)
+    check_tensor("k_cache", k_cache, shape=(None, None, num_kv_heads, row), last_contiguous=True)
+    same = {"dtypes": (k_cache.dtype,), "shape": tuple(k_cache.shape)}
+    check_tensor("v_cache", v_cache, **same, last_contiguous=True)
     check_tensor(
         "slot_mapping",
         slot_mapping,
@@ -115,6 +167,24 @@ def kv_store_triton(
         slot_mapping=slot_mapping,
     )
     if num_tokens == 0:
+        return
+    if is_quantized(k_cache.dtype):
+        _kv_store_int8_kernel[(num_tokens, num_kv_heads)](
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            *paged_cache_strides(k_cache, v_cache),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=k_cache.shape[1],
+            num_warps=1 if head_dim <= 128 else 2,
+        )
         return
     # Cast in torch, as the reference does: the interpreter's in-kernel fp32 -> bf16 cast truncates.
     key = key if key.dtype == k_cache.dtype else key.to(k_cache.dtype)
