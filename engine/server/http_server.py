@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an engine client.
 
 Routes: POST /v1/completions, /v1/chat/completions (both also as server-sent events),
-GET /v1/models, /health, /metrics, POST /tokenize, /detokenize. With an API key every route but
-/health needs ``Authorization: Bearer <key>``. Errors have OpenAI's shape (errors.py).
+GET /v1/models, /health, /metrics, /tokenizer_info, POST /tokenize, /detokenize. With an API key
+every route but /health needs ``Authorization: Bearer <key>``. Errors have OpenAI's shape
+(errors.py).
 
 Shutdown (SIGTERM or SIGINT): stop admitting (new requests and /health get 503), let in-flight
 requests finish until the drain deadline, abort the rest, close, exit 0. A second signal exits
@@ -279,6 +280,10 @@ def build_app(
             raise APIError(400, f"token id {bad} is out of range [0, {vocab})", "tokens")
         return {"prompt": await offload(llm.tokenizer.decode, body.tokens)}
 
+    @app.get("/tokenizer_info", responses=openapi.errors(auth=auth))
+    async def tokenizer_info() -> dict:
+        return tokenizer_card(llm)
+
     return app
 
 
@@ -287,6 +292,19 @@ def _version() -> str:
         return importlib.metadata.version("engine")
     except importlib.metadata.PackageNotFoundError:
         return "0"
+
+
+def tokenizer_card(llm) -> dict:
+    """vLLM's /tokenizer_info: the special tokens spelled out and the chat template, what a
+    client needs to tokenize as the server does over /tokenize (lm-eval's remote tokenizer)."""
+    tok = llm.tokenizer
+    specials = getattr(tok, "special_tokens", {})
+    return {
+        "tokenizer_class": type(tok).__name__,
+        **{k: specials.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
+        "chat_template": getattr(tok, "chat_template", None),
+        "model_max_length": llm.max_model_len,
+    }
 
 
 def model_card(llm, name: str, root: str) -> dict:
