@@ -42,6 +42,9 @@ LL_DEFAULT_PER_TOKEN = 0.25  # nats per continuation token
 START_TIMEOUT_S = 180
 
 pytestmark = pytest.mark.slow
+pytest.importorskip(
+    "lm_eval", reason='lm-eval is the optional [eval] extra: pip install -e ".[eval]"'
+)
 
 
 @contextmanager
