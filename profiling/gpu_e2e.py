@@ -47,6 +47,11 @@ TIE = 0.05  # a divergence where the reference's top two differ by less than thi
 # Prompt logprobs may differ by atol + rtol * |reference| (rtol: about two units in the last
 # place of the dtype's 8- or 11-bit mantissa, which the logits carry into the log-softmax).
 PROMPT_LOGPROB_TOL = {"float32": (2e-3, 1e-4), "bfloat16": (0.05, 0.016), "float16": (0.02, 2e-3)}
+# An int8 KV cache under 16-bit activations: a rounding that goes the other way in one of the
+# two runs moves a value by a whole int8 step (max|x| / 127 of its row), which the following
+# layers carry on. On the default model (30 layers, an H200, 2026-12-04) the largest difference
+# was 0.15 nats against 0.10 over a bf16 cache, every token equal.
+INT8_KV_ATOL = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,13 +169,15 @@ def step_greedy(args, **config) -> dict:
 
 
 def step_kvint8(args) -> dict:
-    return step_greedy(args, kv_cache_dtype="int8")
+    return {**step_greedy(args, kv_cache_dtype="int8"), "kv_dtype": "int8"}
 
 
 def compare_greedy(ours: dict, ref: dict) -> dict:
     """Tokens equal up to a near-tie of the reference; prompt logprobs within tolerance."""
     ties, mismatches, worst = 0, [], -float("inf")
     atol, rtol = PROMPT_LOGPROB_TOL.get(ours["dtype"], PROMPT_LOGPROB_TOL["bfloat16"])
+    if ours.get("kv_dtype") == "int8" and ours["dtype"] != "float32":
+        atol = max(atol, INT8_KV_ATOL)
     for i, (a, b) in enumerate(zip(ours["rows"], ref["rows"], strict=True)):
         for pos, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True)):
             if x == y:
