@@ -46,3 +46,12 @@ def test_size_zero_keeps_nothing():
 def test_size_validated(size):
     with pytest.raises(ValueError, match=r"store_size must be in \[0, 1000000\]"):
         ResponsesConfig(size)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["cluster", "--prefill", "1", "--decode", "1"]])
+def test_the_command_line_refuses_a_bad_size_before_anything_starts(command, capsys):
+    from engine.cli.main import main
+
+    assert main([*command, "--responses-store-size", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--responses-store-size: responses store_size must be in [0, 1000000], got -1" in err
