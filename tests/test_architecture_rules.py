@@ -57,6 +57,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine.cli",
             "engine.client",
             "engine.server",
+            "engine.server.responses",
             "engine.netlab",
             "engine.sim",
             "engine.bench",
