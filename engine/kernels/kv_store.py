@@ -58,65 +58,37 @@ def _kv_store_kernel(
     HEAD_DIM: tl.constexpr,
     ROW: tl.constexpr,  # Hkv * HEAD_DIM, need not be a power of 2 (SmolLM2: 192)
     BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,
+    TILE: tl.constexpr,  # float caches: a tile of ROW; int8: >= HEAD_DIM, a power of 2
+    INT8: tl.constexpr,  # int8 rows [HEAD_DIM values | fp16 scale] (kernels/kv_quant.py)
 ):
-    # Grid (tokens, cdiv(ROW, TILE)): one program copies one tile of one token's K and V row.
+    # Grid (tokens, cdiv(ROW, TILE)): one program copies one tile of one token's K and V row;
+    # int8: grid (tokens, KV heads), one program quantizes one head's row, as
+    # kv_quant.quantize_int8 does, bit for bit.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    mask = i < ROW
-    head = i // HEAD_DIM
-    d = i % HEAD_DIM
-    k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
-    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + head * stride_kch + d
-    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + head * stride_vch + d
-    tl.store(k_dst, k, mask=mask)
-    tl.store(v_dst, v, mask=mask)
-
-
-@triton.jit
-def _kv_store_int8_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    # Grid (tokens, KV heads): one program quantizes one token's K and V row of one head into
-    # [HEAD_DIM int8 values | fp16 scale], as kv_quant.quantize_int8 does, bit for bit.
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    d = tl.arange(0, HEAD_DIM_PAD)
-    mask = d < HEAD_DIM
+    if INT8:
+        head = tl.program_id(1)
+        d = tl.arange(0, TILE)
+        mask = d < HEAD_DIM
+    else:
+        i = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        mask = i < ROW
+        head = i // HEAD_DIM
+        d = i % HEAD_DIM
     k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask, other=0.0)
     v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask, other=0.0)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + head * stride_kch
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + head * stride_vch
-    _store_int8_row(k.to(tl.float32), k_dst, d, mask, HEAD_DIM)
-    _store_int8_row(v.to(tl.float32), v_dst, d, mask, HEAD_DIM)
+    if INT8:
+        _store_int8_row(k.to(tl.float32), k_dst, d, mask, HEAD_DIM)
+        _store_int8_row(v.to(tl.float32), v_dst, d, mask, HEAD_DIM)
+    else:
+        tl.store(k_dst + d, k, mask=mask)
+        tl.store(v_dst + d, v, mask=mask)
 
 
 @triton.jit
@@ -168,30 +140,19 @@ def kv_store_triton(
     )
     if num_tokens == 0:
         return
-    if is_quantized(k_cache.dtype):
-        _kv_store_int8_kernel[(num_tokens, num_kv_heads)](
-            key,
-            value,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            key.stride(0),
-            key.stride(1),
-            value.stride(0),
-            value.stride(1),
-            *paged_cache_strides(k_cache, v_cache),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-            BLOCK_SIZE=k_cache.shape[1],
-            num_warps=1 if head_dim <= 128 else 2,
-        )
-        return
-    # Cast in torch, as the reference does: the interpreter's in-kernel fp32 -> bf16 cast truncates.
-    key = key if key.dtype == k_cache.dtype else key.to(k_cache.dtype)
-    value = value if value.dtype == v_cache.dtype else value.to(v_cache.dtype)
+    int8 = is_quantized(k_cache.dtype)
+    if not int8:
+        # Cast in torch, as the reference does: the interpreter's in-kernel fp32 -> bf16 cast
+        # truncates.
+        key = key if key.dtype == k_cache.dtype else key.to(k_cache.dtype)
+        value = value if value.dtype == v_cache.dtype else value.to(v_cache.dtype)
     row = num_kv_heads * head_dim
-    tile = min(triton.next_power_of_2(row), 2048)
-    grid = (num_tokens, triton.cdiv(row, tile))
+    if int8:
+        tile = triton.next_power_of_2(head_dim)
+        grid, warps = (num_tokens, num_kv_heads), 1 if head_dim <= 128 else 2
+    else:
+        tile = min(triton.next_power_of_2(row), 2048)
+        grid, warps = (num_tokens, triton.cdiv(row, tile)), 4 if tile <= 1024 else 8
     _kv_store_kernel[grid](
         key,
         value,
@@ -207,5 +168,6 @@ def kv_store_triton(
         ROW=row,
         BLOCK_SIZE=k_cache.shape[1],
         TILE=tile,
-        num_warps=4 if tile <= 1024 else 8,
+        INT8=int8,
+        num_warps=warps,
     )
