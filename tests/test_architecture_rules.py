@@ -58,6 +58,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine.client",
             "engine.server",
             "engine.server.responses",
+            "engine.server.dashboard",
             "engine.netlab",
             "engine.sim",
             "engine.bench",

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (all also as server-sent
 events), GET and DELETE /v1/responses/{id} (responses/), GET /v1/models, /health, /metrics,
-/tokenizer_info, POST /tokenize, /detokenize. With an API key every route but /health needs
+/tokenizer_info, /dashboard and its /dashboard/data (dashboard/), POST /tokenize, /detokenize.
+With an API key every route but /health and the dashboard's page needs
 ``Authorization: Bearer <key>``. Errors have OpenAI's shape (errors.py).
 
 Shutdown (SIGTERM or SIGINT): stop admitting (new requests and /health get 503), let in-flight
@@ -29,6 +30,7 @@ from engine.async_llm import EngineDeadError, EngineShuttingDownError
 from engine.core.scheduler import QueueFullError
 from engine.errors import RequestError
 from engine.server import openapi
+from engine.server.dashboard import routes as dashboard_routes
 from engine.server.errors import APIError, error_body, to_api_error
 from engine.server.inflight_cap import ClientCap
 from engine.server.openai_protocol import (
@@ -308,6 +310,8 @@ def build_app(
             raise APIError(400, f"token id {bad} is out of range [0, {vocab})", "tokens")
         return {"prompt": await offload(llm.tokenizer.decode, body.tokens)}
 
+    dashboard_routes.install(app, llm, served_model_names[0], rejections, auth)
+
     @app.get("/tokenizer_info", responses=openapi.errors(auth=auth))
     async def tokenizer_info() -> dict:
         return tokenizer_card(llm)
@@ -445,10 +449,13 @@ class BearerAuth:
     """Pure ASGI middleware (it does not buffer streamed responses): every route but the public
     ones needs ``Authorization: Bearer <api_key>``. The scheme name is case-insensitive (RFC
     7235; vLLM compares it case-sensitively). Public: /health and the API's description
-    (/openapi.json, /docs, /redoc), as in vLLM; unlike vLLM, /metrics and /tokenize need the
+    (/openapi.json, /docs, /redoc), as in vLLM, and the dashboard's page (it holds no data; its
+    data calls need the key: dashboard/routes.py); unlike vLLM, /metrics and /tokenize need the
     key too, since they expose traffic and the vocabulary."""
 
-    PUBLIC = frozenset(("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"))
+    PUBLIC = frozenset(
+        ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/dashboard")
+    )
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
