@@ -55,6 +55,7 @@ from engine.kernels.kv_copy import (  # noqa: E402
     kv_gather_triton,
     kv_scatter_triton,
 )
+from engine.kernels.kv_quant import quantize_int8  # noqa: E402
 from engine.kernels.kv_store import kv_store_triton  # noqa: E402
 from engine.kernels.prefill_attention import (  # noqa: E402
     prefill_attention_ref,
@@ -107,6 +108,21 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
+def _kv_label(dtype: torch.dtype, kv_dtype: torch.dtype | None) -> str:
+    """' kv i8' (or another dtype) where the KV cache's dtype is not the activations'."""
+    if kv_dtype is None or kv_dtype == dtype:
+        return ""
+    return " kv " + ("i8" if kv_dtype == torch.int8 else _short(kv_dtype))
+
+
+def _tol_dtype(dtype: torch.dtype, kv_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype whose tolerance a result meets: q is converted to a float cache's dtype
+    (engine/kernels/_launch.py dot_dtype), and the output is q's: the looser of the two."""
+    if kv_dtype is None or kv_dtype == torch.int8:
+        return dtype
+    return max((dtype, kv_dtype), key=lambda d: TOL[d])
+
+
 def _compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
     if out.isnan().any():
         return float("nan"), False
@@ -117,8 +133,9 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[
     )
 
 
-def paged_inputs(seq_lens, model, block_size, dtype, device, spare_blocks=3):
-    """Random cache and a random permutation of its blocks as block tables, -1 past each end."""
+def paged_inputs(seq_lens, model, block_size, dtype, device, spare_blocks=3, kv_dtype=None):
+    """Random cache and a random permutation of its blocks as block tables, -1 past each end;
+    ``kv_dtype``: the cache's (by default ``dtype``; int8 rows quantized from normal values)."""
     blocks = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(blocks) + spare_blocks
     perm = torch.randperm(num_blocks, device=device).to(torch.int32)
@@ -131,14 +148,23 @@ def paged_inputs(seq_lens, model, block_size, dtype, device, spare_blocks=3):
             table[b, :n] = perm[used : used + n]
             used += n
     shape = (num_blocks, block_size, model.kv_heads, model.head_dim)
-    k_cache = torch.randn(shape, dtype=dtype, device=device)
-    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    kv_dtype = kv_dtype or dtype
+    if kv_dtype == torch.int8:
+        k_cache = quantize_int8(torch.randn(shape, device=device))
+        v_cache = quantize_int8(torch.randn(shape, device=device))
+    else:
+        k_cache = torch.randn(shape, dtype=kv_dtype, device=device)
+        v_cache = torch.randn(shape, dtype=kv_dtype, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return k_cache, v_cache, table, lens
 
 
-def decode_case(model, seq_lens, dtype, device, block_size=16, num_splits=None, timed=True):
-    k_cache, v_cache, table, lens = paged_inputs(seq_lens, model, block_size, dtype, device)
+def decode_case(
+    model, seq_lens, dtype, device, block_size=16, num_splits=None, timed=True, kv_dtype=None
+):
+    k_cache, v_cache, table, lens = paged_inputs(
+        seq_lens, model, block_size, dtype, device, kv_dtype=kv_dtype
+    )
     batch, max_len = len(seq_lens), max(seq_lens)
     q = torch.randn(batch, model.heads, model.head_dim, dtype=dtype, device=device)
     out = torch.empty_like(q)
@@ -162,23 +188,30 @@ def decode_case(model, seq_lens, dtype, device, block_size=16, num_splits=None, 
         run()
         n = min(batch, 8)  # the reference materialises K/V in fp32: keep it to a few sequences
         ref = decode_attention_ref(q[:n], k_cache, v_cache, table[:n], lens[:n], scale)
-        err, ok = _compare(out[:n], ref, dtype)
+        err, ok = _compare(out[:n], ref, _tol_dtype(dtype, kv_dtype))
         ok = ok and not bool(out.isnan().any())
         return err, ok, "all" if n == batch else f"first {n} of {batch} seqs"
 
     el = q.element_size()
     tokens = sum(seq_lens)
     flops = 4.0 * model.heads * model.head_dim * tokens
-    nbytes = 2.0 * tokens * model.kv_heads * model.head_dim * el + 2.0 * q.numel() * el
+    row_bytes = k_cache.shape[-1] * k_cache.element_size()  # int8: the values and their scale
+    nbytes = 2.0 * tokens * model.kv_heads * row_bytes + 2.0 * q.numel() * el
     splits = num_splits or choose_num_splits(batch, model.kv_heads, max_len, num_sms(device))
     lens_name = f"ctx {max_len}" if len(set(seq_lens)) == 1 else f"ctx {seq_lens}"
-    name = f"{model.name} {_short(dtype)} bs{block_size} batch {batch} {lens_name} splits {splits}"
+    kv = _kv_label(dtype, kv_dtype)
+    name = (
+        f"{model.name} {_short(dtype)}{kv} bs{block_size} batch {batch} {lens_name} splits {splits}"
+    )
     return Case("decode", name, flops, nbytes, run if timed else None, check)
 
 
-def prefill_case(model, chunks, prefixes, dtype, device, block_size=16, timed=True):
+def prefill_case(model, chunks, prefixes, dtype, device, block_size=16, timed=True, kv_dtype=None):
     seq_lens = [c + p for c, p in zip(chunks, prefixes, strict=True)]
-    k_cache, v_cache, table, lens = paged_inputs(seq_lens, model, block_size, dtype, device)
+    k_cache, v_cache, table, lens = paged_inputs(
+        seq_lens, model, block_size, dtype, device, kv_dtype=kv_dtype
+    )
+    tol = _tol_dtype(dtype, kv_dtype)
     total = sum(chunks)
     q = torch.randn(total, model.heads, model.head_dim, dtype=dtype, device=device)
     out = torch.empty_like(q)
@@ -207,7 +240,7 @@ def prefill_case(model, chunks, prefixes, dtype, device, block_size=16, timed=Tr
         run()
         if not timed:  # small: the whole batch
             ref = prefill_attention_ref(q, k_cache, v_cache, table, cu, lens, scale)
-            err, ok = _compare(out, ref, dtype)
+            err, ok = _compare(out, ref, tol)
             return err, ok, "all"
         # Query i's output depends only on its position, so the first and the last k queries of
         # the first chunk are checked as chunks of their own (the reference is a python loop).
@@ -219,7 +252,7 @@ def prefill_case(model, chunks, prefixes, dtype, device, block_size=16, timed=Tr
             ref = prefill_attention_ref(
                 q[lo : lo + k], k_cache, v_cache, table[:1], sub_cu, sub_len, scale
             )
-            err, ok = _compare(out[lo : lo + k], ref, dtype)
+            err, ok = _compare(out[lo : lo + k], ref, tol)
             errs.append(err)
             oks.append(ok)
         ok = all(oks) and not bool(out.isnan().any())
@@ -228,13 +261,14 @@ def prefill_case(model, chunks, prefixes, dtype, device, block_size=16, timed=Tr
     el = q.element_size()
     pairs = sum(c * p + c * (c + 1) / 2 for c, p in zip(chunks, prefixes, strict=True))
     flops = 4.0 * model.heads * model.head_dim * pairs
-    nbytes = el * (2.0 * q.numel() + 2.0 * sum(seq_lens) * model.kv_heads * model.head_dim)
+    row_bytes = k_cache.shape[-1] * k_cache.element_size()
+    nbytes = el * 2.0 * q.numel() + 2.0 * sum(seq_lens) * model.kv_heads * row_bytes
     shape = (
         f"{len(chunks)}x chunk {chunks[0]} prefix {prefixes[0]}"
         if len(set(chunks)) == 1 and len(set(prefixes)) == 1
         else f"chunks {chunks} prefixes {prefixes}"
     )
-    name = f"{model.name} {_short(dtype)} bs{block_size} {shape}"
+    name = f"{model.name} {_short(dtype)}{_kv_label(dtype, kv_dtype)} bs{block_size} {shape}"
     return Case("prefill", name, flops, nbytes, run if timed else None, check)
 
 
@@ -271,6 +305,44 @@ def store_case(model, tokens, dtype, device, num_blocks, block_size=16, timed=Tr
         " (>2^31 elems)" if big else ""
     )
     return Case("kv_store", name, 0.0, nbytes, run if timed else None, check)
+
+
+def store_int8_case(model, tokens, dtype, device, num_blocks, block_size=16):
+    """The KV store into int8 rows: each written row equal to kv_quant.quantize_int8 of its
+    input, bit for bit; every other row untouched."""
+    shape = (num_blocks, block_size, model.kv_heads, model.head_dim + 2)
+    k_cache = torch.full(shape, 7, dtype=torch.int8, device=device)
+    v_cache = torch.full(shape, 7, dtype=torch.int8, device=device)
+    fused = torch.randn(tokens, model.heads + 2 * model.kv_heads, model.head_dim, device=device)
+    fused = fused.to(dtype)
+    key = fused[:, model.heads : model.heads + model.kv_heads]
+    value = fused[:, model.heads + model.kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+    if tokens > 1:
+        slots[-1] = -1
+
+    def run():
+        kv_store_triton(key, value, k_cache, v_cache, slots)
+
+    def check():
+        run()
+        valid = slots >= 0
+        rows = (-1, model.kv_heads, model.head_dim + 2)
+        got_k, got_v = k_cache.view(rows)[slots[valid]], v_cache.view(rows)[slots[valid]]
+        want_k, want_v = quantize_int8(key[valid]), quantize_int8(value[valid])
+        differ = int((got_k != want_k).sum() + (got_v != want_v).sum())
+        untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+        untouched[slots[valid]] = False
+        ok = differ == 0 and bool((k_cache.view(rows)[untouched] == 7).all())
+        return (
+            float(differ),
+            ok,
+            "bit for bit quantize_int8 (err = bytes that differ); rest untouched",
+        )
+
+    nbytes = 2.0 * tokens * model.kv_heads * (model.head_dim * key.element_size() + shape[-1])
+    name = f"{model.name} {_short(dtype)} kv i8 {tokens} tokens into {num_blocks} blocks"
+    return Case("kv_store", name, 0.0, nbytes, None, check)
 
 
 def copy_case(model, n, dtype, device, layers, num_blocks, gather, block_size=16, timed=True):
@@ -370,6 +442,27 @@ def sweep_cases(device) -> Iterator[Callable[[], Case]]:
             yield lambda m=model, d=dtype, b=bs, g=gather: copy_case(
                 m, 5, d, device, 2, 12, g, block_size=b, timed=False
             )
+    # Other KV cache dtypes (--kv-cache-dtype): int8 under each activation dtype, and a 16-bit
+    # cache under float32 and bf16 activations.
+    kv_pairs = [
+        (SMOL, torch.float32, torch.int8, 16),
+        (SMOL, torch.bfloat16, torch.int8, 16),
+        (Model("d128", 8, 2, 128, 2), torch.float16, torch.int8, 32),
+        (Model("g4d80", 8, 2, 80, 2), torch.bfloat16, torch.int8, 16),
+        (SMOL, torch.float32, torch.bfloat16, 16),
+        (SMOL, torch.bfloat16, torch.float16, 16),
+    ]
+    for model, dtype, kv, bs in kv_pairs:
+        yield lambda m=model, d=dtype, k=kv, b=bs: prefill_case(
+            m, [1, 37, 20, 150], [45, 13, 0, 7], d, device, block_size=b, timed=False, kv_dtype=k
+        )
+        for splits in (1, 5):
+            yield lambda m=model, d=dtype, k=kv, b=bs, s=splits: decode_case(
+                m, [1, 17, 100, 257], d, device, block_size=b, num_splits=s, timed=False,
+                kv_dtype=k,
+            )  # fmt: skip
+        if kv == torch.int8:
+            yield lambda m=model, d=dtype, b=bs: store_int8_case(m, 37, d, device, 16, b)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for rows in (1, 3, 17, 64, 130):
             for out_f, in_f in ((77, 100), (33, 200)):  # in not a multiple of BLOCK_K; out odd
@@ -391,6 +484,10 @@ def timed_cases(device, quick: bool) -> Iterator[Callable[[], Case]]:
             sizes += [(8, 32768), (64, 2048), (128, 8192), (256, 32768)]
         for batch, ctx in sizes:
             yield lambda m=model, b=batch, c=ctx: decode_case(m, [c] * b, bf16, device)
+        for batch, ctx in ((1, 32768), (256, 4096)):  # int8 KV: about half the bytes read
+            yield lambda m=model, b=batch, c=ctx: decode_case(
+                m, [c] * b, bf16, device, kv_dtype=torch.int8
+            )
         chunks = [(1, 512, 0), (1, 2048, 0), (1, 8192, 0), (1, 512, 8192), (1, 2048, 8192)]
         if not quick:
             chunks += [(1, 8192, 8192), (4, 2048, 2048), (1, 512, 32768)]
@@ -398,6 +495,7 @@ def timed_cases(device, quick: bool) -> Iterator[Callable[[], Case]]:
             yield lambda m=model, n=n, c=chunk, p=prefix: prefill_case(
                 m, [c] * n, [p] * n, bf16, device
             )
+        yield lambda m=model: prefill_case(m, [2048], [8192], bf16, device, kv_dtype=torch.int8)
         # > 2^31 elements per layer's K: block and slot offsets must be computed in int64.
         big_blocks = 2**31 // (16 * model.kv_heads * model.head_dim) + 1024
         for tokens in (1, 256, 8192) if quick else (1, 16, 256, 2048, 8192, 32768):
@@ -511,6 +609,24 @@ def run_case(make: Callable[[], Case], ceil: dict[str, float], quick: bool) -> R
     return result
 
 
+# Spills accepted, each with its bound: (sm, kernel, constexprs it has, most bytes). sm_80 keeps
+# mma.sync accumulators in registers beside int8 K and V widened in registers; these three
+# int8-KV prefill variants (head dims 64 and 80, GQA groups 3 and 4) spill a few bytes whatever
+# the tile and warp count tried (docs/kernels.md). sm_90 spills nowhere.
+KNOWN_SPILLS = (
+    (80, "_prefill_kernel", ("HEAD_DIM=64,", "GROUP=3,", "BLOCK_M=16,", "KV_INT8=True"), 8),
+    (80, "_prefill_kernel", ("HEAD_DIM=64,", "GROUP=3,", "BLOCK_M=64,", "KV_INT8=True"), 16),
+    (80, "_prefill_kernel", ("HEAD_DIM=80,", "GROUP=4,", "BLOCK_M=16,", "KV_INT8=True"), 4),
+)
+
+
+def _known_spill(arch: int, kernel: str, consts: str, spilled: int) -> bool:
+    return any(
+        arch == sm and kernel == name and all(p in consts for p in parts) and spilled <= most
+        for sm, name, parts, most in KNOWN_SPILLS
+    )
+
+
 def aot_compile(arch: int) -> int:
     """Compile, without a GPU, each kernel variant the launchers choose over a set of shapes (the
     engine's warm-up table, engine/kernels/variants.py), for CUDA sm_<arch>, and report what
@@ -596,20 +712,44 @@ def aot_compile(arch: int) -> int:
     int8_weights = ((4096, 4096),)
     shapes = [(9, 3, 64, False), (32, 8, 128, False), (8, 2, 80, False), (4, 4, 96, True)]
     shapes += [(8, 1, 256, False)]
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    # Each activation dtype over a cache of its own dtype and an int8 one (--kv-cache-dtype),
+    # and float pairs of each kind (a 16-bit cache under float32 activations or another 16-bit
+    # dtype: q converted; a float32 cache under bf16: K and V converted).
+    kv_dtypes = {
+        torch.bfloat16: (None, torch.int8, torch.float16, torch.float32),
+        torch.float16: (None, torch.int8),
+        torch.float32: (None, torch.int8, torch.bfloat16),
+    }
+    for dtype, kvs in kv_dtypes.items():
         for heads, kv_heads, dim, qk_norm in shapes:
             # One int8 projection, 4096 x 4096: the int8 GEMM's tiles and row classes.
             shape = ModelShape(heads, kv_heads, dim, qk_norm=qk_norm, int8_projections=int8_weights)
-            for call in variants(shape, 16, dtype, torch.device("cpu")):
-                call.run()
+            for kv_dtype in kvs:
+                for call in variants(shape, 16, dtype, torch.device("cpu"), kv_dtype):
+                    call.run()
     failed = sum(r[4] is None for r in rows)
     spilled = [r for r in rows if r[4] is not None and any(int(n) for n in r[6])]
+    known = [r for r in spilled if _known_spill(arch, r[0], r[1], max(int(n) for n in r[6]))]
+    for r in known:
+        print(f"KNOWN  {r[0]} {r[1]} warps {r[2]}: spill stores {r[6]} bytes (KNOWN_SPILLS)")
+    spilled = [r for r in spilled if r not in known]
     print(f"\n{len(rows) - failed}/{len(rows)} kernel variants compiled for sm_{arch}")
     for r in spilled:
         print(f"SPILL  {r[0]} {r[1]} warps {r[2]}: spill stores {r[6]} bytes")
     if spilled:
         print(f"{len(spilled)} variant(s) spill registers to local memory on sm_{arch}")
     return 1 if failed or spilled else 0
+
+
+def _aot_captured(arch: int) -> tuple[int, str]:
+    """aot_compile(arch) with what it prints returned (a worker process of --aot A B ...)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = aot_compile(arch)
+    return rc, out.getvalue()
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -648,7 +788,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.aot is not None:
-        return max(aot_compile(arch) for arch in args.aot or [90])
+        archs = args.aot or [90]
+        if len(archs) == 1:
+            return aot_compile(archs[0])
+        # One process per target, at most one per core (CI's make test runs --aot 90 80): each
+        # prints its table when done, so the tables do not interleave.
+        import concurrent.futures
+        import multiprocessing
+
+        workers = min(len(archs), os.cpu_count() or 1)
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            done = list(pool.map(_aot_captured, archs))
+        for _, text in done:
+            print(text, end="", flush=True)
+        return max(rc for rc, _ in done)
     start = time.time()
     info = gpu_info()
     header = [f"# Kernel profile ({time.strftime('%Y-%m-%d %H:%M:%S')})", ""]

@@ -57,6 +57,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine.cli",
             "engine.client",
             "engine.server",
+            "engine.server.responses",
+            "engine.server.dashboard",
             "engine.netlab",
             "engine.sim",
             "engine.bench",

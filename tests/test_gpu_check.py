@@ -40,7 +40,7 @@ def test_dry_run_names_every_step():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "profiling/kernels.py --json profiling/results/kernels.json" in out
-    for step in ("env", "greedy", "pool", "pd", "graphs", "spec"):
+    for step in ("env", "greedy", "pool", "pd", "graphs", "kvint8", "spec"):
         assert f"e2e {step}" in out
     assert "--model default --steps env,greedy" in out
     # Nothing ran: no results were written by a dry run.

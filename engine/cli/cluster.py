@@ -122,7 +122,7 @@ def _worker_options(p: argparse.ArgumentParser) -> None:
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
-    from engine.cli.serve import _common, add_tool_call_parser
+    from engine.cli.serve import _common, add_responses_store_size, add_tool_call_parser
 
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -139,6 +139,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-layer-streaming", action="store_true", help="send KV after prefill")
     add_tool_call_parser(p)
+    add_responses_store_size(p)
     _placement_args(p)
     _common(p)
 
@@ -199,10 +200,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _router_config(args: argparse.Namespace, address: str):
+    from engine.cli.serve import responses_config
     from engine.cluster.router.router import RouterConfig
 
     if args.max_pending is not None and args.max_pending < 1:
         raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
+    responses_config(args)  # checked before any worker starts
     pending = {} if args.max_pending is None else {"max_pending": args.max_pending}
     return RouterConfig(
         address=address,
@@ -219,6 +222,7 @@ def _router_config(args: argparse.Namespace, address: str):
 def _serve(router, args: argparse.Namespace) -> int:
     """HTTP (and RPC) on top of the router until SIGTERM/SIGINT."""
     from engine import envs
+    from engine.cli.serve import responses_config
 
     names = args.served_model_name or [args.model]
     if args.rpc_address:
@@ -241,6 +245,7 @@ def _serve(router, args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        responses=responses_config(args),
     )
 
 

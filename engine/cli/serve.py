@@ -49,6 +49,7 @@ def add_server_commands(subparsers, engine_args_fn) -> None:
         f"(default: {DEFAULT_PER_CLIENT}, or --max-pending if lower; 0: no per-client cap)",
     )
     add_tool_call_parser(s)
+    add_responses_store_size(s)
     _common(s)
     s.set_defaults(func=cmd_serve)
 
@@ -69,6 +70,29 @@ def add_tool_call_parser(p: argparse.ArgumentParser) -> None:
         help="the tool-call format of the model's replies (docs/tool_calls.md; default: read "
         "from the chat template: hermes for Qwen-style, llama3_json for Llama 3.x, else generic)",
     )
+
+
+def add_responses_store_size(p: argparse.ArgumentParser) -> None:
+    """``--responses-store-size``, for every command that serves /v1/responses over HTTP."""
+    from engine.server.responses.store import DEFAULT_STORE_SIZE
+
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_STORE_SIZE,
+        help="/v1/responses kept in memory for previous_response_id and GET, the oldest "
+        f"evicted first (default {DEFAULT_STORE_SIZE}; 0: none kept)",
+    )
+
+
+def responses_config(args: argparse.Namespace):
+    """The ResponsesConfig of --responses-store-size (ValueError naming its limits)."""
+    from engine.server.responses.store import ResponsesConfig
+
+    try:
+        return ResponsesConfig(store_size=args.responses_store_size)
+    except ValueError as exc:
+        raise ValueError(f"--responses-store-size: {exc}") from None
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -151,6 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     check_limits(args)
+    responses = responses_config(args)
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails now
     try:
         llm = make_engine(args)
@@ -192,6 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_root=args.model,
         max_pending_per_client=args.max_pending_per_client or None,
         tool_call_parser=args.tool_call_parser,
+        responses=responses,
     )
 
 

@@ -66,6 +66,11 @@ class Placement(Protocol):
         target worker, first block, end block) of the prompt's blocks."""
         ...
 
+    def recent_decisions(self) -> Sequence[dict]:
+        """The last placements and rejections, oldest first, as JSON-able maps (any thread; the
+        dashboard's; conductor/decision_log.py lists their fields). Empty: none kept."""
+        ...
+
     def bind(self, router_id: str) -> None:
         """``router_id`` (the router's id for this attempt) names the request placed last."""
         ...
@@ -130,6 +135,9 @@ class PlacementBase:
         return None
 
     def planned_copies(self) -> Sequence[tuple[str, str, int, int]]:
+        return ()
+
+    def recent_decisions(self) -> Sequence[dict]:
         return ()
 
     def bind(self, router_id: str) -> None:

@@ -39,9 +39,9 @@ def resolved_dtype(config: EngineConfig) -> torch.dtype:
 def resolved_kv_dtype(config: EngineConfig) -> torch.dtype:
     """The KV cache's dtype (``kv_cache_dtype``; auto: the activations', except bfloat16 under
     ``dtype=auto``'s float32 activations on CPUs whose C attention widens bf16 in registers:
-    cpu_isa.CpuIsa.auto_kv_dtype). Another dtype than the activations' is read by the C kernels
-    and the torch references only: ValueError on CUDA, whose Triton kernels (and their
-    ahead-of-time table) take the activations' dtype."""
+    cpu_isa.CpuIsa.auto_kv_dtype). Any of them runs on every device: the C kernels and the
+    torch references on a CPU, the Triton kernels on CUDA (a float cache read into the
+    activations' dtype, int8 rows with their scales)."""
     from engine.kvcache.kv_dtype import resolve_kv_dtype
 
     activations = resolved_dtype(config)
@@ -49,12 +49,6 @@ def resolved_kv_dtype(config: EngineConfig) -> torch.dtype:
     auto = config.kv_cache_dtype == "auto" and config.dtype == "auto"
     if auto and resolved_device(config).type == "cpu":
         dtype = getattr(torch, cpu_isa.this_cpu().auto_kv_dtype(config.quantization))
-    if dtype != activations and resolved_device(config).type == "cuda":
-        name = str(activations).removeprefix("torch.")
-        raise ValueError(
-            f"kv_cache_dtype {config.kv_cache_dtype} on CUDA: the Triton kernels read a cache "
-            f"of the activations' dtype ({name}) only for now; use auto or {name}"
-        )
     return dtype
 
 

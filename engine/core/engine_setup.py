@@ -165,7 +165,8 @@ def prepare_gpu(parts: EngineParts) -> None:
         logger.info("CUDA graphs off: ENGINE_KERNELS=torch runs the torch reference kernels")
         return
     shape = kernel_shape(parts.model_config, config.quantization == "int8")
-    count, seconds = warm_up(shape, parts.cache.block_size, parts.dtype, parts.device)
+    cache = parts.cache
+    count, seconds = warm_up(shape, cache.block_size, parts.dtype, parts.device, cache.dtype)
     logger.info("warm-up: %d Triton kernel variants compiled in %.1f s", count, seconds)
     if config.enforce_eager:
         logger.info("CUDA graphs off (enforce_eager): decode steps run eagerly")

@@ -19,6 +19,9 @@ from engine.kernels.kv_quant import row_elems
 F = TypeVar("F", bound=Callable)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What a KV cache may hold for the Triton kernels: any float dtype (read into q's dtype), or int8
+# rows with their scale (kernels/kv_quant.py).
+KV_DTYPES = (*FLOAT_DTYPES, torch.int8)
 INDEX_DTYPES = (torch.int32, torch.int64)
 DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is there to ask
 
@@ -123,6 +126,14 @@ def dot_in_f32(kernel, dtype: torch.dtype) -> bool:
     the raw uint16 bit patterns (triton issue #11584) and fp16 gains nothing from staying 16-bit.
     On the GPU 16-bit dots run natively on tensor cores with fp32 accumulation."""
     return is_interpreted(kernel) and dtype != torch.float32
+
+
+def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the attention kernels' dots take: a float cache's own, q converted to it (a
+    16-bit cache holds no more precision than that, a float32 one is read at its own; and K and
+    V tiles converted in registers spill them), else, for int8 rows, q's (their values are exact
+    in it). Sums stay float32."""
+    return q_dtype if kv_dtype == torch.int8 else kv_dtype
 
 
 def dot_precision(dtype: torch.dtype) -> str:

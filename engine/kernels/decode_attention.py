@@ -8,19 +8,24 @@ import triton.language as tl
 
 from engine.kernels._launch import (
     INDEX_DTYPES,
+    KV_DTYPES,
     attention_strides,
+    capability,
     check_devices,
     check_dot_shape,
     check_paged_attention,
     check_tensor,
+    dot_dtype,
     dot_in_f32,
     dot_precision,
     num_sms,
     on_tensor_device,
     pad_dim,
 )
+from engine.kernels.kv_quant import is_quantized
 from engine.kernels.paged_gather import gather_blocks_float
 from engine.kernels.paged_tile import paged_tile_step
+from engine.kernels.split_merge import decode_merge_kernel
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (Q load, partial write, merge) dominates
@@ -187,6 +192,8 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,  # num_splits == 1: write the normalised output, no merge kernel
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    Q_AS_KV: tl.constexpr,
 ):
     # Grid (batch, kv heads, num_splits). Each sequence's context is cut into num_splits
     # BLOCK_N-aligned pieces of its own length (or, with split_tokens, pieces of that many tokens
@@ -211,6 +218,8 @@ def _decode_split_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     q_off = seq * stride_qb + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+    if Q_AS_KV:  # a float32 q over a 16-bit cache: dots in the cache's dtype (dot_dtype)
+        q = q.to(k_cache_ptr.dtype.element_ty)
     if DOT_F32:
         q = q.to(tl.float32)
 
@@ -226,7 +235,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = paged_tile_step(
             q, pos_ok[None, :], table, k_base, v_base, pos, pos_ok, d, d_ok, m_i, l_i, acc,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-            BLOCK_SIZE, DOT_F32, PRECISION,
+            BLOCK_SIZE, DOT_F32, PRECISION, KV_INT8, HEAD_DIM,
         )  # fmt: skip
 
     has = l_i > 0
@@ -239,44 +248,6 @@ def _decode_split_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=io_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    num_heads,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next power of 2 >= num_splits
-):
-    # Grid (batch, query heads): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < num_splits
-    row = (seq * num_heads + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = d < HEAD_DIM
-    o = tl.load(
-        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    total = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + seq * stride_ob + head * stride_oh + d,
-        res.to(out_ptr.dtype.element_ty),
-        mask=d_ok,
-    )
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
@@ -408,7 +379,7 @@ def decode_attention_triton(
     split that many tokens at absolute positions of its sequence and merged in split order, so
     that a sequence's result depends only on its own length, not on the batch's longest
     sequence or size (which the split-count heuristic follows); num_splits is then ignored."""
-    out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits)
+    out = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, num_splits, KV_DTYPES)
     if split_tokens is not None and (
         not isinstance(split_tokens, int)
         or split_tokens < 1
@@ -444,7 +415,15 @@ def decode_attention_triton(
         num_splits = min(num_splits, MAX_FORCED_SPLITS)
     block_h = max(16, triton.next_power_of_2(group))
     # fp32 (IEEE dots on CUDA cores) and big heads: smaller tiles, fewer registers (see prefill).
-    block_n = 16 if q.dtype == torch.float32 else (64 if head_dim_pad <= 128 else 32)
+    dots = dot_dtype(q.dtype, k_cache.dtype)
+    kv_int8 = is_quantized(k_cache.dtype)
+    # K and V (or q) converted in registers before the dots: half the keys a tile (no spills on
+    # sm_90 and sm_80, profiling/kernels.py --aot).
+    converted = k_cache.dtype != q.dtype
+    if dots == torch.float32 or (converted and head_dim_pad > 128 and capability(device) < (9, 0)):
+        block_n = 16
+    else:
+        block_n = 64 if head_dim_pad <= 128 and not converted else 32
     check_dot_shape(block_h, block_n, head_dim_pad)
     check_dot_shape(block_h, head_dim_pad, block_n)
     direct = num_splits == 1 and split_tokens is None  # else always merged: one path for all
@@ -476,13 +455,15 @@ def decode_attention_triton(
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         DIRECT=direct,
-        DOT_F32=dot_in_f32(_decode_split_kernel, q.dtype),
-        PRECISION=dot_precision(q.dtype),
+        DOT_F32=dot_in_f32(_decode_split_kernel, dots),
+        PRECISION=dot_precision(dots),
+        KV_INT8=kv_int8,
+        Q_AS_KV=dots != q.dtype,
         num_warps=4,
         num_stages=2,
     )
     if not direct:
-        _decode_merge_kernel[(batch, num_heads)](
+        decode_merge_kernel[(batch, num_heads)](
             out,
             part_out,
             part_lse,

@@ -13,10 +13,12 @@ import triton.language as tl
 from engine.kernels._launch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    KV_DTYPES,
     check_devices,
     check_tensor,
     on_tensor_device,
 )
+from engine.kernels.kv_quant import is_quantized
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
@@ -125,13 +127,15 @@ def _flat_lead(name: str, t: torch.Tensor) -> tuple[int, int]:
 
 
 def _copy(cache, block_ids, staging, gather: bool, staging_name: str) -> None:
-    check_tensor("cache", cache, dtypes=FLOAT_DTYPES)
+    check_tensor("cache", cache, dtypes=KV_DTYPES)
     if cache.dim() < 4:
         raise ValueError(f"cache must have >= 4 dims, got shape {tuple(cache.shape)}")
     check_tensor("block_ids", block_ids, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
     lead_shape = tuple(cache.shape[:-4])
     want = (*lead_shape, block_ids.numel(), *cache.shape[-3:])
-    check_tensor(staging_name, staging, dtypes=FLOAT_DTYPES, shape=want)
+    # int8 rows (values and scale) are bytes to move: only into or out of int8 rows.
+    dtypes = (torch.int8,) if is_quantized(cache.dtype) else FLOAT_DTYPES
+    check_tensor(staging_name, staging, dtypes=dtypes, shape=want)
     check_devices(_kv_copy_kernel, cache=cache, block_ids=block_ids, **{staging_name: staging})
     lead, stride_cache_lead = _flat_lead("cache", cache)
     _, stride_staging_lead = _flat_lead(staging_name, staging)
@@ -168,7 +172,7 @@ def kv_gather_triton(
     """Same contract as kv_gather_ref. Block ids are not range-checked (that would need a sync):
     ids outside [0, num_blocks) read out of bounds on the GPU."""
     if isinstance(out, torch.Tensor) and isinstance(cache, torch.Tensor):
-        if out.dtype != cache.dtype and out.dtype in FLOAT_DTYPES:
+        if out.dtype != cache.dtype and {out.dtype, cache.dtype} <= set(FLOAT_DTYPES):
             staged = torch.empty(out.shape, dtype=cache.dtype, device=out.device)
             _copy(cache, block_ids, staged, gather=True, staging_name="out")
             return out.copy_(staged)  # cast in torch (see kv_scatter_triton)
@@ -180,7 +184,7 @@ def kv_gather_triton(
 def kv_scatter_triton(src: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor) -> None:
     """Same contract as kv_scatter_ref. With duplicate ids one source wins, unspecified which."""
     if isinstance(src, torch.Tensor) and isinstance(cache, torch.Tensor):
-        if src.dtype != cache.dtype and src.dtype in FLOAT_DTYPES:
+        if src.dtype != cache.dtype and {src.dtype, cache.dtype} <= set(FLOAT_DTYPES):
             # Cast in torch (round to nearest even, as the reference): the interpreter's in-kernel
             # fp32 -> bf16 cast truncates, so an in-kernel cast would differ between CPU and GPU.
             src = src.to(cache.dtype)

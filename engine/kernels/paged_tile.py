@@ -33,6 +33,8 @@ def paged_tile_step(
     BLOCK_SIZE: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,  # int8 rows [HEAD_DIM values | fp16 scale] (kernels/kv_quant.py)
+    HEAD_DIM: tl.constexpr,
 ):
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     slot_k = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks
@@ -43,10 +45,18 @@ def paged_tile_step(
     v = tl.load(
         v_base + slot_v[:, None] + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0
     )
-    if DOT_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    # Into the dot's dtype (q's): a no-op for a cache of q's dtype; int8 values are exact in
+    # fp16 and bf16 (|q| <= 127), their scales applied to the scores and the probabilities.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+    if KV_INT8:
+        k_scale = tl.load(
+            (k_base + slot_k + HEAD_DIM).to(tl.pointer_type(tl.float16), bitcast=True),
+            mask=pos_ok,
+            other=0.0,
+        )
+        s = s * k_scale.to(tl.float32)[None, :]
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row masked so far has m_new = -inf; use 0 so exp2(-inf - 0) = 0, not NaN.
@@ -55,5 +65,12 @@ def paged_tile_step(
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    if KV_INT8:
+        v_scale = tl.load(
+            (v_base + slot_v + HEAD_DIM).to(tl.pointer_type(tl.float16), bitcast=True),
+            mask=pos_ok,
+            other=0.0,
+        )
+        p = p * v_scale.to(tl.float32)[None, :]  # sum_j p_j (v_j s_j) = sum_j (p_j s_j) v_j
+    acc = tl.dot(p.to(q.dtype), v, acc, input_precision=PRECISION)
     return m_new, l_i, acc

@@ -16,12 +16,14 @@ import triton.language as tl
 
 from engine.kernels._launch import (
     INDEX_DTYPES,
+    KV_DTYPES,
     attention_strides,
     capability,
     check_devices,
     check_dot_shape,
     check_paged_attention,
     check_tensor,
+    dot_dtype,
     dot_in_f32,
     dot_precision,
     on_tensor_device,
@@ -163,6 +165,8 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,  # KV positions per iteration
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    Q_AS_KV: tl.constexpr,
 ):
     # Grid (q-blocks upper bound, kv heads). Row r of the tile is query position
     # q_block*BLOCK_Q + r // GROUP of the chunk and query head kv_head*GROUP + r % GROUP, so each
@@ -188,6 +192,8 @@ def _prefill_kernel(
     token = (q_start + q_idx).to(tl.int64)
     q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if Q_AS_KV:  # a float32 q over a 16-bit cache: dots in the cache's dtype (dot_dtype)
+        q = q.to(k_cache_ptr.dtype.element_ty)
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = context + q_idx  # absolute position: attends to keys at positions <= q_pos
@@ -207,7 +213,7 @@ def _prefill_kernel(
         m_i, l_i, acc = paged_tile_step(
             q, allowed, table, k_base, v_base, pos, pos_ok, d, d_ok, m_i, l_i, acc,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-            BLOCK_SIZE, DOT_F32, PRECISION,
+            BLOCK_SIZE, DOT_F32, PRECISION, KV_INT8, HEAD_DIM,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -231,6 +237,7 @@ def prefill_config(
     head_dim_pad: int,
     dtype: torch.dtype,
     capability: tuple[int, int] = (9, 0),
+    kv_converted: bool = False,
 ) -> PrefillConfig:
     """Tile sizes. Short queries (decode, small chunks) get the 16-row tile vLLM uses, so a q_len
     of 1 wastes little; long chunks get 64 or 128 rows for more reuse of each K/V tile. Head dims
@@ -253,13 +260,22 @@ def prefill_config(
         block_m, tile_n = 64, 32 if wide else 64
     else:
         block_m, tile_n = 128, 64
+    if kv_converted:  # K and V (or q) converted in registers before the dots: fewer keys a tile
+        tile_n = min(tile_n, 32 if head_dim_pad <= 128 and block_m > 16 else 16)
     block_m = max(block_m, triton.next_power_of_2(group))
     pipelined = block_m > 16 or (dtype == torch.float32 and not hopper)
+    num_warps = 8 if block_m >= 128 else 4
+    if kv_converted and not hopper:
+        # mma.sync keeps the accumulators in registers beside the converted tiles: spread the
+        # 64-row tiles over 8 warps and drop the pipeline's second stage (three int8 variants
+        # still spill 4-16 bytes on sm_80: profiling/kernels.py KNOWN_SPILLS).
+        num_warps = 8 if block_m >= 64 else 4
+        pipelined = False
     return PrefillConfig(
         block_m=block_m,
         block_q=block_m // group,
         tile_n=tile_n,
-        num_warps=8 if block_m >= 128 else 4,
+        num_warps=num_warps,
         num_stages=2 if pipelined else 1,
     )
 
@@ -280,7 +296,7 @@ def prefill_attention_triton(
     """Same contract as prefill_attention_ref. No host sync: the grid is sized from q.shape[0]
     and max_seqlen_q (q.shape[0] when None) picks the tile; metadata values are trusted.
     max_seq_len is unused (accepted for the common signature)."""
-    check_paged_attention(q, k_cache, v_cache)
+    check_paged_attention(q, k_cache, v_cache, KV_DTYPES)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
@@ -313,8 +329,14 @@ def prefill_attention_triton(
 
     group = num_heads // num_kv_heads
     head_dim_pad = pad_dim(head_dim)
+    dots = dot_dtype(q.dtype, k_cache.dtype)
     cfg = prefill_config(
-        max_seqlen_q or num_tokens, group, head_dim_pad, q.dtype, capability(q.device)
+        max_seqlen_q or num_tokens,
+        group,
+        head_dim_pad,
+        dots,
+        capability(q.device),
+        kv_converted=k_cache.dtype != q.dtype,
     )
     check_dot_shape(cfg.block_m, cfg.tile_n, head_dim_pad)
     check_dot_shape(cfg.block_m, head_dim_pad, cfg.tile_n)
@@ -337,8 +359,10 @@ def prefill_attention_triton(
         BLOCK_M=cfg.block_m,
         BLOCK_Q=cfg.block_q,
         TILE_N=cfg.tile_n,
-        DOT_F32=dot_in_f32(_prefill_kernel, q.dtype),
-        PRECISION=dot_precision(q.dtype),
+        DOT_F32=dot_in_f32(_prefill_kernel, dots),
+        PRECISION=dot_precision(dots),
+        KV_INT8=is_quantized(k_cache.dtype),
+        Q_AS_KV=dots != q.dtype,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from engine.kernels._launch import capability, pad_dim
+from engine.kernels._launch import capability, dot_dtype, pad_dim
 from engine.kernels.decode_attention import MAX_SPLITS
+from engine.kernels.kv_quant import row_elems
 from engine.kernels.prefill_attention import prefill_config
 
 # Decode split counts covering every (SPLITS_PAD, multiple of 16 or not) pair the split
@@ -79,18 +80,25 @@ def _qkv(shape: ModelShape, tokens: int, dtype, device):
 
 
 def variants(
-    shape: ModelShape, block_size: int, dtype: torch.dtype, device: torch.device | str
+    shape: ModelShape,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kv_dtype: torch.dtype | None = None,
 ) -> list[Variant]:
     """The calls that compile every variant the engine can launch for ``shape``: the KV store,
     decode attention at each split class, prefill attention at each tile configuration and
     sequence-count class, the KV block gather and scatter at each block-count class, and the
     int8 GEMM at each row class for each class of projection size (the kernel compiles the same
-    code for any two sizes of one class, so small weights stand in for the real ones)."""
+    code for any two sizes of one class, so small weights stand in for the real ones).
+    ``kv_dtype``: the KV cache's (by default the activations'; int8 rows hold their scale)."""
     hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     group = hq // hkv
     num_blocks = 4
+    kv_dtype = kv_dtype or dtype
+    row = row_elems(kv_dtype, d)
     kv = torch.zeros(
-        shape.num_layers, 2, num_blocks, block_size, hkv, d, dtype=dtype, device=device
+        shape.num_layers, 2, num_blocks, block_size, hkv, row, dtype=kv_dtype, device=device
     )
     k_cache, v_cache = kv[0, 0], kv[0, 1]
     scale = d**-0.5
@@ -119,7 +127,9 @@ def variants(
     target = capability(torch.device(device))  # the tiles depend on the CUDA target
     configs: dict[Any, int] = {}  # tile configuration -> a max_seqlen_q that picks it
     for max_q in (2, 32 // group + 1, 128 // group + 1, 4096):
-        cfg = prefill_config(max(max_q, 2), group, head_dim_pad, dtype, target)
+        dots = dot_dtype(dtype, kv_dtype)
+        converted = kv_dtype != dtype
+        cfg = prefill_config(max(max_q, 2), group, head_dim_pad, dots, target, converted)
         configs.setdefault(cfg, max_q)
     for cfg, max_q in configs.items():
         for seqs in COUNT_CLASSES:
@@ -142,7 +152,7 @@ def variants(
     for n in COUNT_CLASSES:
         ids = torch.arange(n, dtype=torch.int64, device=device) % num_blocks
         staging = torch.zeros(
-            shape.num_layers, 2, n, block_size, hkv, d, dtype=dtype, device=device
+            shape.num_layers, 2, n, block_size, hkv, row, dtype=kv_dtype, device=device
         )
         out.append(Variant("kv_copy", "kv_gather_triton", f"blocks={n}", (kv, ids, staging)))
         out.append(Variant("kv_copy", "kv_scatter_triton", f"blocks={n}", (staging, ids, kv)))
@@ -159,12 +169,16 @@ def variants(
 
 
 def warm_up(
-    shape: ModelShape, block_size: int, dtype: torch.dtype, device: torch.device
+    shape: ModelShape,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[int, float]:
     """Run every variant once (compiling it, or loading it from Triton's cache); returns how
     many and the seconds it took."""
     start = time.perf_counter()
-    calls = variants(shape, block_size, dtype, device)
+    calls = variants(shape, block_size, dtype, device, kv_dtype)
     for call in calls:
         call.run()
     if device.type == "cuda":

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an engine client.
 
-Routes: POST /v1/completions, /v1/chat/completions (both also as server-sent events),
-GET /v1/models, /health, /metrics, POST /tokenize, /detokenize. With an API key every route but
-/health needs ``Authorization: Bearer <key>``. Errors have OpenAI's shape (errors.py).
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (all also as server-sent
+events), GET and DELETE /v1/responses/{id} (responses/), GET /v1/models, /health, /metrics,
+/tokenizer_info, /dashboard and its /dashboard/data (dashboard/), POST /tokenize, /detokenize.
+With an API key every route but /health and the dashboard's page needs
+``Authorization: Bearer <key>``. Errors have OpenAI's shape (errors.py).
 
 Shutdown (SIGTERM or SIGINT): stop admitting (new requests and /health get 503), let in-flight
 requests finish until the drain deadline, abort the rest, close, exit 0. A second signal exits
@@ -28,6 +30,7 @@ from engine.async_llm import EngineDeadError, EngineShuttingDownError
 from engine.core.scheduler import QueueFullError
 from engine.errors import RequestError
 from engine.server import openapi
+from engine.server.dashboard import routes as dashboard_routes
 from engine.server.errors import APIError, error_body, to_api_error
 from engine.server.inflight_cap import ClientCap
 from engine.server.openai_protocol import (
@@ -38,6 +41,10 @@ from engine.server.openai_protocol import (
 )
 from engine.server.openai_serving import OpenAIServing
 from engine.server.prometheus import EngineCollector, Rejections, make_registry, render
+from engine.server.responses import routes as responses_routes
+from engine.server.responses.protocol import ResponsesRequest
+from engine.server.responses.serving import ResponsesServing
+from engine.server.responses.store import ResponsesConfig, ResponseStore
 from engine.server.streams import RequestStreams
 from engine.server.tokenize_pool import Offloader
 from engine.structured.compiler import GrammarBusyError
@@ -62,6 +69,7 @@ def build_app(
     model_root: str | None = None,
     max_pending_per_client: int | None = None,
     tool_call_parser: str | None = None,
+    responses: ResponsesConfig | None = None,
 ) -> FastAPI:
     """The ASGI app. ``llm`` is any EngineClient (engine_client.py); ``shutdown_engine``: shut it
     down when the app stops (off when the engine outlives the app, as in tests).
@@ -69,9 +77,13 @@ def build_app(
     ``model_root``: what /v1/models shows as ``root`` (vLLM: the --model value as given).
     ``max_pending_per_client``: generation requests one client address may have in flight
     (inflight_cap.py); None: no per-client cap. ``tool_call_parser``: the tool-call format of
-    the model's replies (tools.py); None: read from its chat template."""
+    the model's replies (tools.py); None: read from its chat template. ``responses``: the
+    Responses API's settings (its store's size)."""
     root = model_root or served_model_names[0]
     serving = OpenAIServing(llm, served_model_names, tool_call_parser)
+    responses_serving = ResponsesServing(
+        serving, ResponseStore((responses or ResponsesConfig()).store_size)
+    )
     offload = Offloader()
     rejections = Rejections()
     registry = make_registry(EngineCollector(llm, served_model_names[0], rejections))
@@ -88,7 +100,14 @@ def build_app(
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="engine", version=_version(), lifespan=lifespan, **docs)
     openapi.install(
-        app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+        app,
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+        ],
     )
     auth = bool(api_key)
     app.state.server = state
@@ -126,7 +145,9 @@ def build_app(
     async def _internal_error(request: Request, exc: Exception):
         return fail(to_api_error(exc))
 
-    async def generation(request: Request, model: type[BaseModel], make_job) -> Response:
+    async def generation(
+        request: Request, model: type[BaseModel], make_job, server=serving
+    ) -> Response:
         if state.draining:
             raise to_api_error(EngineShuttingDownError("the server is shutting down"))
         body = await read_body(request, model, max_body_bytes)
@@ -135,14 +156,14 @@ def build_app(
             job = await offload(make_job, body)  # tokenizing, templates: off the event loop
 
             async def admit() -> RequestStreams:
-                return await serving.start(job, body.request_id)
+                return await server.start(job, getattr(body, "request_id", None))
 
             streams = await cancel_on_disconnect(request, admit())
             if streams is None:
                 return Response(status_code=499)
             if body.stream:
-                return SSEResponse(serving.stream(job, streams), streams)
-            result = await cancel_on_disconnect(request, serving.full_response(job, streams))
+                return SSEResponse(server.stream(job, streams), streams)
+            result = await cancel_on_disconnect(request, server.full_response(job, streams))
             if result is None:
                 return Response(status_code=499)
             return JSONResponse(result)
@@ -192,6 +213,16 @@ def build_app(
     )
     async def chat_completions(request: Request) -> Response:
         return await generation(request, ChatCompletionRequest, serving.chat_job)
+
+    responses_routes.install(
+        app,
+        responses_serving,
+        lambda request: generation(
+            request, ResponsesRequest, responses_serving.job, responses_serving
+        ),
+        generation_docs,
+        auth,
+    )
 
     @app.get("/v1/models", responses=openapi.errors(auth=auth))
     async def models() -> dict:
@@ -279,6 +310,12 @@ def build_app(
             raise APIError(400, f"token id {bad} is out of range [0, {vocab})", "tokens")
         return {"prompt": await offload(llm.tokenizer.decode, body.tokens)}
 
+    dashboard_routes.install(app, llm, served_model_names[0], rejections, auth)
+
+    @app.get("/tokenizer_info", responses=openapi.errors(auth=auth))
+    async def tokenizer_info() -> dict:
+        return tokenizer_card(llm)
+
     return app
 
 
@@ -287,6 +324,19 @@ def _version() -> str:
         return importlib.metadata.version("engine")
     except importlib.metadata.PackageNotFoundError:
         return "0"
+
+
+def tokenizer_card(llm) -> dict:
+    """vLLM's /tokenizer_info: the special tokens spelled out and the chat template, what a
+    client needs to tokenize as the server does over /tokenize (lm-eval's remote tokenizer)."""
+    tok = llm.tokenizer
+    specials = getattr(tok, "special_tokens", {})
+    return {
+        "tokenizer_class": type(tok).__name__,
+        **{k: specials.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
+        "chat_template": getattr(tok, "chat_template", None),
+        "model_max_length": llm.max_model_len,
+    }
 
 
 def model_card(llm, name: str, root: str) -> dict:
@@ -399,10 +449,13 @@ class BearerAuth:
     """Pure ASGI middleware (it does not buffer streamed responses): every route but the public
     ones needs ``Authorization: Bearer <api_key>``. The scheme name is case-insensitive (RFC
     7235; vLLM compares it case-sensitively). Public: /health and the API's description
-    (/openapi.json, /docs, /redoc), as in vLLM; unlike vLLM, /metrics and /tokenize need the
+    (/openapi.json, /docs, /redoc), as in vLLM, and the dashboard's page (it holds no data; its
+    data calls need the key: dashboard/routes.py); unlike vLLM, /metrics and /tokenize need the
     key too, since they expose traffic and the vocabulary."""
 
-    PUBLIC = frozenset(("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"))
+    PUBLIC = frozenset(
+        ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/dashboard")
+    )
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from engine.server.errors import RETRY_AFTER_S, error_body
 
-GENERATION_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
+GENERATION_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
 
 
 class ClientCap:

@@ -281,47 +281,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def tool_request(self) -> ToolRequest | None:
         """The tools this request offers and how it asks for calls; None: no tools (none given,
         or tool_choice "none")."""
-        choice = self.tool_choice
-        if not self.tools:
-            if choice not in (None, "none"):
-                raise APIError(400, "tool_choice requires tools", "tool_choice")
-            return None
-        if len(self.tools) > MAX_TOOLS:
-            raise APIError(
-                400, f"tools holds {len(self.tools)} tools; the limit is {MAX_TOOLS}", "tools"
-            )
-        tools, seen = [], set()
-        for i, t in enumerate(self.tools):
-            name = t.function.name
-            if not TOOL_NAME.fullmatch(name):
-                raise APIError(
-                    400,
-                    f"tools.{i}.function.name must be 1 to 64 letters, digits, _ or -, "
-                    f"got {name!r}",
-                    "tools",
-                )
-            if name in seen:
-                raise APIError(400, f"tools.{i}.function.name {name!r} is given twice", "tools")
-            seen.add(name)
-            kind = (t.function.parameters or {}).get("type", "object")
-            if kind != "object":
-                raise APIError(
-                    400,
-                    f"tools.{i}.function.parameters must be the JSON schema of an object "
-                    f'(its arguments), got "type": {json.dumps(kind)}',
-                    "tools",
-                )
-            tools.append(Tool(name, t.function.description, t.function.parameters))
-        if choice == "none":
-            return None
-        if isinstance(choice, NamedToolChoice):
-            choice = choice.function.name
-            if choice not in seen:
-                raise APIError(
-                    400, f"tool_choice names {choice!r}, which is not in tools", "tool_choice"
-                )
-        parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
-        return ToolRequest(tuple(tools), choice or "auto", parallel)
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def engine_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
@@ -346,6 +306,54 @@ class ChatCompletionRequest(_SamplingRequest):
                 "chat_template",
             )
         check_tool_messages(self.messages)
+
+
+def tool_request(
+    tools: list[ChatTool] | None,
+    choice: str | NamedToolChoice | None,
+    parallel_tool_calls: bool | None,
+    where: str = "function.",
+) -> ToolRequest | None:
+    """The ToolRequest of a request's tools, tool_choice and parallel_tool_calls; None: no tools
+    (none given, or tool_choice "none"). ``where``: the path from a tool to its name in the
+    request's own shape, for messages ("function." on chat, "" on /v1/responses)."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice requires tools", "tool_choice")
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise APIError(400, f"tools holds {len(tools)} tools; the limit is {MAX_TOOLS}", "tools")
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        name = t.function.name
+        if not TOOL_NAME.fullmatch(name):
+            raise APIError(
+                400,
+                f"tools.{i}.{where}name must be 1 to 64 letters, digits, _ or -, got {name!r}",
+                "tools",
+            )
+        if name in seen:
+            raise APIError(400, f"tools.{i}.{where}name {name!r} is given twice", "tools")
+        seen.add(name)
+        kind = (t.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise APIError(
+                400,
+                f"tools.{i}.{where}parameters must be the JSON schema of an object "
+                f'(its arguments), got "type": {json.dumps(kind)}',
+                "tools",
+            )
+        out.append(Tool(name, t.function.description, t.function.parameters))
+    if choice == "none":
+        return None
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.function.name
+        if choice not in seen:
+            raise APIError(
+                400, f"tool_choice names {choice!r}, which is not in tools", "tool_choice"
+            )
+    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    return ToolRequest(tuple(out), choice or "auto", parallel)
 
 
 def check_tool_messages(messages: list[ChatMessage]) -> None:

@@ -6,11 +6,8 @@ event bytes, and raises APIError or the engine's own exceptions (mapped in error
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
-import functools
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +17,12 @@ from engine.errors import RequestError
 from engine.model.tokenizer import template_variables
 from engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.server.completion_logprobs import (
+    TextCursor,
+    echoed_prompt_logprobs,
+    generated_logprobs,
+    joined,
+)
 from engine.server.errors import APIError, to_api_error
 from engine.server.openai_protocol import (
     MAX_SEQUENCES,
@@ -29,12 +32,12 @@ from engine.server.openai_protocol import (
 )
 from engine.server.openai_structured import in_field
 from engine.server.streams import RequestStreams
+from engine.server.token_text import TokenText, clamp
 from engine.server.tokenize_pool import check_prompt_chars
 from engine.server.tool_calls import ToolCallStream, calls_json, finish_reason, parse_reply
 from engine.structured.tool_parsers import get_parser
 from engine.structured.tools import ToolRequest, constraint, detect_format, render_messages
 
-MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 DONE = b"data: [DONE]\n\n"
 
 
@@ -58,7 +61,8 @@ class Job:
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs in the response
     echo: list[str] | None = None  # completions with echo: the prompt texts
-    prompt_logprobs: bool = False  # vLLM's: per choice (completions) or per response (chat)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, no generated token
+    prompt_logprobs: int | None = None  # vLLM's: per choice (completions) or response (chat)
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: the scheduling policy "priority" serves lower values first
     tools: ToolRequest | None = None  # chat with tools offered: replies are parsed for calls
@@ -75,8 +79,7 @@ class OpenAIServing:
         template = getattr(self.tokenizer, "chat_template", None)
         self.tool_format = tool_call_parser or detect_format(template, template_variables(template))
         self.tool_parser = get_parser(self.tool_format)
-        self._token_str: dict[int, str] = {}  # bounded by the vocabulary
-        self._token_bytes: dict[int, bytes] = {}
+        self.text = TokenText(self.tokenizer)
 
     # -- resolving requests -------------------------------------------------------------------
 
@@ -92,21 +95,26 @@ class OpenAIServing:
         model = self.check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported by this server", "suffix")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported by this server", "echo")
         raw = req.prompts()
         _check_count(len(raw), req.n)
         for p in raw:
             if isinstance(p, str):
                 check_prompt_chars(len(p), self.tokenizer, self.llm.max_model_len, "prompt")
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in raw]
-        max_tokens = req.max_tokens
+        max_tokens, echo_only = req.max_tokens, req.max_tokens == 0 and req.echo
         if max_tokens is None:
             max_tokens = self._default_max_tokens(prompts)
-        params = req.sampling_params(max_tokens, req.logprobs)
+        elif max_tokens == 0 and not req.echo:
+            message = "max_tokens must be >= 1 (0 only with echo: the prompt alone), got 0"
+            raise APIError(400, message, "max_tokens")
+        # echo with max_tokens 0: one token is generated and dropped (as vLLM does).
+        params = req.sampling_params(1 if echo_only else max_tokens, req.logprobs)
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw]
+            if req.logprobs is not None:  # the prompt's logprobs, with as many alternatives
+                k = max(req.logprobs, req.prompt_logprobs or 0)
+                params = dataclasses.replace(params, prompt_logprobs=k)
         return Job(
             chat=False,
             id=f"cmpl-{uuid.uuid4().hex}",
@@ -116,7 +124,8 @@ class OpenAIServing:
             include_usage=req.include_usage,
             top_logprobs=req.logprobs,
             echo=echo,
-            prompt_logprobs=req.prompt_logprobs is not None,
+            echo_only=echo_only,
+            prompt_logprobs=req.prompt_logprobs,
             cache_salt=req.cache_salt,
             priority=req.priority,
             constraint_field=req.constraint_field,
@@ -146,7 +155,7 @@ class OpenAIServing:
             params=params,
             include_usage=req.include_usage,
             top_logprobs=logprobs,
-            prompt_logprobs=req.prompt_logprobs is not None,
+            prompt_logprobs=req.prompt_logprobs,
             cache_salt=req.cache_salt,
             priority=req.priority,
             tools=tools,
@@ -203,9 +212,19 @@ class OpenAIServing:
             )
         if job.params.structured_outputs is not None:
             await self.compile_grammar(job)
-        return await RequestStreams.start(
-            self.llm, job.prompts, job.params, request_id or job.id, job.cache_salt, job.priority
-        )
+        try:
+            return await RequestStreams.start(
+                self.llm, job.prompts, job.params, request_id or job.id, job.cache_salt,
+                job.priority,
+            )  # fmt: skip
+        except RequestError as exc:
+            # An engine that cannot give prompt logprobs (the cluster router, a pipeline
+            # stage): name the field the client sent.
+            if exc.param == "prompt_logprobs" and job.prompt_logprobs is None:
+                raise APIError(
+                    400, f"echo with logprobs needs the prompt's logprobs: {exc.message}", "echo"
+                ) from None
+            raise
 
     async def compile_grammar(self, job: Job) -> None:
         """Compile the job's constraint off the event loop before the engine sees it (the
@@ -229,9 +248,11 @@ class OpenAIServing:
         choices = []
         for i in sorted(finals):
             for c in finals[i].outputs:
-                choice = self._choice(job, i, c)
-                if job.prompt_logprobs and not job.chat:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(finals[i].prompt_logprobs)
+                choice = self._choice(job, i, c, finals[i].prompt_logprobs)
+                if job.prompt_logprobs is not None and not job.chat:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(
+                        finals[i].prompt_logprobs, job.prompts[i], job.prompt_logprobs
+                    )
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         body = {
@@ -242,15 +263,22 @@ class OpenAIServing:
             "choices": choices,
             "usage": self._usage(job, finals),
         }
-        if job.prompt_logprobs and job.chat:  # vLLM puts the chat's on the response
-            body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)
+        if job.prompt_logprobs is not None and job.chat:  # vLLM puts the chat's on the response
+            body["prompt_logprobs"] = prompt_logprobs_json(
+                finals[0].prompt_logprobs, job.prompts[0], job.prompt_logprobs
+            )
         return body
 
-    def _choice(self, job: Job, prompt_index: int, c: CompletionOutput) -> dict:
+    def _choice(
+        self, job: Job, prompt_index: int, c: CompletionOutput, prompt_lps: PromptLogprobs | None
+    ) -> dict:
         index = prompt_index * job.params.n + c.index
         lps = None
-        if job.top_logprobs is not None and c.logprobs is not None:
-            lps = self._logprobs(job, c.logprobs, TextCursor())
+        if job.top_logprobs is not None and job.chat and c.logprobs is not None:
+            lps = self._chat_logprobs(job, c.logprobs)
+        elif job.top_logprobs is not None and (c.logprobs is not None or job.echo is not None):
+            cursor = self._cursor(job, prompt_index)
+            lps = self._completion_logprobs(job, prompt_index, prompt_lps, c.logprobs, cursor, True)
         out = {"index": index, "logprobs": lps, "finish_reason": c.finish_reason}
         if job.chat and job.tools is not None:
             content, calls = parse_reply(self.tool_parser, c.text, job.tools.parallel)
@@ -261,13 +289,17 @@ class OpenAIServing:
         elif job.chat:
             out["message"] = {"role": "assistant", "content": c.text}
         else:
-            out["text"] = (job.echo[prompt_index] if job.echo else "") + c.text
+            echo = job.echo[prompt_index] if job.echo else ""
+            out["text"] = echo if job.echo_only else echo + c.text
         out["stop_reason"] = c.stop_reason
+        if job.echo_only:
+            out["finish_reason"], out["stop_reason"] = "length", None
         return out
 
     def _usage(self, job: Job, finals: dict[int, RequestOutput]) -> dict:
         prompt = sum(len(p) for p in job.prompts)
         completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
+        completion = 0 if job.echo_only else completion
         cached = sum(out.metrics.num_cached_tokens for out in finals.values() if out.metrics)
         return {
             "prompt_tokens": prompt,
@@ -289,7 +321,7 @@ class OpenAIServing:
             async for i, out in streams:
                 finals[i] = out
                 parts = [
-                    sse(self._chunk(job, i, c, started, offsets, tool_streams))
+                    sse(self._chunk(job, i, c, started, offsets, tool_streams, out.prompt_logprobs))
                     for c in out.outputs
                     if c.new_token_ids or c.new_text or c.finish_reason
                 ]
@@ -325,14 +357,20 @@ class OpenAIServing:
         started: set,
         offsets: dict,
         tool_streams: dict | None = None,
+        prompt_lps: PromptLogprobs | None = None,
     ) -> dict:
         index = prompt_index * job.params.n + c.index
         first = index not in started
         started.add(index)
-        text = c.new_text
+        text = "" if job.echo_only else c.new_text
         lps = None
-        if job.top_logprobs is not None and c.new_logprobs is not None:
-            lps = self._logprobs(job, c.new_logprobs, offsets.setdefault(index, TextCursor()))
+        if job.top_logprobs is not None and job.chat and c.new_logprobs is not None:
+            lps = self._chat_logprobs(job, c.new_logprobs)
+        elif job.top_logprobs is not None and (c.new_logprobs is not None or job.echo is not None):
+            cursor = offsets.setdefault(index, self._cursor(job, prompt_index))
+            lps = self._completion_logprobs(
+                job, prompt_index, prompt_lps, c.new_logprobs, cursor, first
+            )
         reason = c.finish_reason
         if job.chat and job.tools is not None and tool_streams is not None:
             stream = tool_streams.get(index)
@@ -358,72 +396,57 @@ class OpenAIServing:
         choice["finish_reason"] = reason
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason
+            if job.echo_only:
+                choice["finish_reason"], choice["stop_reason"] = "length", None
         return self._chunk_head(job, [choice])
 
     # -- logprobs -------------------------------------------------------------------------------
 
-    def token_str(self, token_id: int) -> str:
-        s = self._token_str.get(token_id)
-        if s is None:
-            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_str[token_id] = s
-        return s
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The token's own bytes. A byte-level token that holds part of a multi-byte character
-        decodes to U+FFFD alone; its bytes are read from its vocabulary spelling instead, so
-        that joining the tokens' bytes rebuilds the text (what OpenAI's ``bytes`` is for)."""
-        b = self._token_bytes.get(token_id)
-        if b is None:
-            text = self.token_str(token_id)
-            b = text.encode()
-            if "\ufffd" in text:
-                piece = self.tokenizer.convert_ids_to_tokens([token_id])[0]
-                b = _piece_bytes(piece) or b
-            self._token_bytes[token_id] = b
-        return b
-
-    def _logprobs(self, job: Job, lps: list[TokenLogprob], cursor: TextCursor) -> dict:
-        k = job.top_logprobs or 0
-        if job.chat:
-            content = []
-            for lp in lps:
-                top = sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
-                content.append(
-                    {
-                        "token": self.token_str(lp.token_id),
-                        "logprob": max(lp.logprob, MIN_LOGPROB),
-                        "bytes": list(self.token_bytes(lp.token_id)),
-                        "top_logprobs": [
-                            {
-                                "token": self.token_str(t),
-                                "logprob": max(v, MIN_LOGPROB),
-                                "bytes": list(self.token_bytes(t)),
-                            }
-                            for t, v in top
-                        ],
-                    }
-                )
-            return {"content": content}
-        tokens, values, tops, offsets = [], [], [], []
+    def _chat_logprobs(self, job: Job, lps: list[TokenLogprob]) -> dict:
+        k, text = job.top_logprobs or 0, self.text
+        content = []
         for lp in lps:
-            tokens.append(self.token_str(lp.token_id))
-            values.append(max(lp.logprob, MIN_LOGPROB))
-            top = dict(sorted(lp.top.items(), key=lambda kv: -kv[1])[:k])
-            top.setdefault(lp.token_id, lp.logprob)
-            tops.append({self.token_str(t): max(v, MIN_LOGPROB) for t, v in top.items()})
-            offsets.append(cursor.advance(self.token_bytes(lp.token_id)))
-        return {
-            "tokens": tokens,
-            "token_logprobs": values,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
+            top = sorted(lp.top.items(), key=lambda kv: -kv[1])[:k]
+            content.append(
+                {
+                    "token": text.str(lp.token_id),
+                    "logprob": clamp(lp.logprob),
+                    "bytes": list(text.bytes(lp.token_id)),
+                    "top_logprobs": [
+                        {"token": text.str(t), "logprob": clamp(v), "bytes": list(text.bytes(t))}
+                        for t, v in top
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def _completion_logprobs(
+        self,
+        job: Job,
+        prompt_index: int,
+        prompt_lps: PromptLogprobs | None,
+        lps: list[TokenLogprob] | None,
+        cursor: TextCursor,
+        first: bool,
+    ) -> dict:
+        """A choice's (or a chunk's) legacy logprobs; with echo, the prompt's come first (in a
+        choice's first chunk), and an echo with max_tokens 0 drops the generated token's."""
+        k = job.top_logprobs or 0
+        out = generated_logprobs(self.text, [] if job.echo_only else lps or [], k, cursor)
+        if job.echo is not None and first:
+            ids, echo = job.prompts[prompt_index], job.echo[prompt_index]
+            out = joined(echoed_prompt_logprobs(self.text, ids, prompt_lps, k, echo), out)
+        return out
+
+    def _cursor(self, job: Job, prompt_index: int) -> TextCursor:
+        """Where a choice's generated text starts: after the echoed prompt, if any."""
+        return TextCursor(len(job.echo[prompt_index]) if job.echo is not None else 0)
 
 
-def prompt_logprobs_json(entries: PromptLogprobs | None) -> list | None:
+def prompt_logprobs_json(entries: PromptLogprobs | None, ids: list[int], k: int) -> list | None:
     """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}} for the prompt's token and the top alternatives."""
+    decoded_token}} for the prompt's token (``ids``) and the top ``k`` alternatives (the engine
+    computed more when echo with logprobs asked for more)."""
     if entries is None:
         return None
     return [
@@ -431,61 +454,15 @@ def prompt_logprobs_json(entries: PromptLogprobs | None) -> list | None:
         if e is None
         else {
             str(t): {
-                "logprob": max(lp.logprob, MIN_LOGPROB),
+                "logprob": clamp(lp.logprob),
                 "rank": lp.rank,
                 "decoded_token": lp.decoded_token,
             }
             for t, lp in e.items()
+            if lp.rank <= k or t == token_id
         }
-        for e in entries
+        for e, token_id in zip(entries, ids)
     ]
-
-
-class TextCursor:
-    """Characters of text so far, fed token bytes: a token's ``text_offset`` is the number of
-    whole characters before it (the bytes of a character split over tokens count once)."""
-
-    def __init__(self, chars: int = 0) -> None:
-        self.chars = chars
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def advance(self, data: bytes) -> int:
-        """The offset of a token with these bytes; then move past it."""
-        at = self.chars
-        self.chars += len(self._decoder.decode(data))
-        return at
-
-
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's map from the characters that spell bytes in a byte-level vocabulary to bytes."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    keep += range(ord("®"), ord("ÿ") + 1)
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-def _piece_bytes(piece: str | None) -> bytes | None:
-    """Bytes of a vocabulary piece: SentencePiece's byte fallback ``<0xE2>``, or a byte-level
-    BPE piece; None if it is neither."""
-    if piece is None:
-        return None
-    m = _BYTE_PIECE.fullmatch(piece)
-    if m:
-        return bytes([int(m.group(1), 16)])
-    alphabet = _byte_level_alphabet()
-    if all(c in alphabet for c in piece):
-        return bytes(alphabet[c] for c in piece)
-    return None
 
 
 def _check_count(num_prompts: int, n: int) -> None:

@@ -35,6 +35,7 @@ from engine.structured.params import StructuredOutputs
 # Where, in the field the client sent, the constraint of each kind sits (for messages).
 _PLACES = {
     "response_format": {"json": "response_format.json_schema.schema"},
+    "text": {"json": "text.format.schema"},  # /v1/responses
     "guided_json": {"json": "guided_json"},
     "guided_regex": {"regex": "guided_regex"},
     "guided_choice": {"choice": "guided_choice"},

@@ -98,10 +98,11 @@ def serve_http(
     model_root: str | None = None,
     max_pending_per_client: int | None = None,
     tool_call_parser: str | None = None,
+    responses=None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, drain, return 0. Blocks the calling (main) thread.
     ``sock``: a socket bound already (``bind_socket``), so that a port in use is found before
-    the model loads."""
+    the model loads. ``responses``: a ResponsesConfig (responses/store.py)."""
     app = build_app(
         llm,
         served_model_names or [str(llm.model_path)],
@@ -110,6 +111,7 @@ def serve_http(
         model_root=model_root,
         max_pending_per_client=max_pending_per_client,
         tool_call_parser=tool_call_parser,
+        responses=responses,
     )
     config = uvicorn_config(
         app,

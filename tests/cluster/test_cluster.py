@@ -102,6 +102,20 @@ def test_http_equal_colocated(cluster, reference):
     assert "".join(pieces) == text
 
 
+def test_http_echo_logprobs_refused_by_name_echo_alone_served(cluster):
+    """The workers do not send prompt logprobs back yet: echo with logprobs is a 400 naming
+    echo (what the client sent); echo without them, max_tokens 0 included, is served."""
+    body = {"model": "default", "prompt": "The capital of France is", "echo": True}
+    with http_server(cluster.router) as srv, httpx.Client(base_url=srv.url, timeout=120) as h:
+        r = h.post("/v1/completions", json=body | {"max_tokens": 1, "logprobs": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+        assert "cluster router" in r.json()["error"]["message"]
+        r = h.post("/v1/completions", json=body | {"max_tokens": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == body["prompt"]
+        assert r.json()["usage"]["completion_tokens"] == 0
+
+
 def test_abort_frees_kv_on_both_sides(cluster):
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 

@@ -68,7 +68,7 @@ def test_cuda_start_warms_up_then_captures(engine, monkeypatch):
     prepare_gpu(engine.parts)
     cfg = engine.model_config
     shape = ModelShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
-    assert warmed == [(shape, 16, torch.float32, engine.device)]
+    assert warmed == [(shape, 16, torch.float32, engine.device, torch.float32)]  # its KV dtype
     assert captured == [(8, 256, ("backend", engine.device))]
 
     warmed.clear(), captured.clear()

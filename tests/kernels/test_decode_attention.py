@@ -169,7 +169,7 @@ def test_rejects_bad_input():
         with pytest.raises(ValueError, match=name):
             decode_attention_triton(*bad, **kw)
 
-    call(0, q.bfloat16(), "k_cache")
+    call(1, k_cache.to(torch.int32), "k_cache")  # no KV dtype (a float of another dtype is one)
     call(0, q[:, :, None], "q")
     call(0, q[:, :7], "heads")
     call(1, k_cache[..., :32], "k_cache")

@@ -179,7 +179,7 @@ def test_rejects_bad_input():
         with pytest.raises(ValueError, match=name):
             prefill_attention_triton(*bad)
 
-    call(0, q.half(), "k_cache")  # q and cache dtypes differ
+    call(1, k_cache.to(torch.int32), "k_cache")  # no KV dtype (a float of another dtype is one)
     call(0, q.int(), "q")
     call(0, q[:, :8], "heads")  # 8 query heads over 3 KV heads
     call(1, k_cache[..., :32], "k_cache")

@@ -102,3 +102,20 @@ def test_the_variants_run_in_the_interpreter():
     for v in variants(shape, 8, torch.float32, "cpu"):
         if v.kwargs.get("num_splits", 1) <= 2:
             v.run()
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_dtype,row", [(torch.bfloat16, torch.int8, 66), (torch.float32, torch.bfloat16, 64)]
+)
+def test_warm_up_on_the_engines_kv_dtype(calls, dtype, kv_dtype, row):
+    """--kv-cache-dtype: every cache the variants launch on is of the engine's KV dtype (int8
+    rows hold their scale), so the warm-up compiles what the engine will run."""
+    shape = ModelShape(9, 3, 64, 30)
+    count, _ = warm_up(shape, 16, dtype, CPU, kv_dtype)
+    assert count == len(calls) > 0
+    caches = [
+        a for _, args, _ in calls for a in args if isinstance(a, torch.Tensor) and a.dim() >= 4
+    ]
+    assert caches and all(c.dtype == kv_dtype and c.shape[-1] == row for c in caches)
+    queries = [a[0] for n, a, _ in calls if n.endswith("attention_triton")]
+    assert queries and all(q.dtype == dtype for q in queries)

@@ -74,10 +74,10 @@ def test_the_flag_takes_vllms_names_and_names_itself_when_wrong():
     cpu = EngineConfig(device="cpu", dtype="float32")
     assert resolved_kv_dtype(cpu) == torch.float32  # asked for float32: all of it
     assert resolved_kv_dtype(EngineConfig(device="cpu", kv_cache_dtype="int8")) == torch.int8
-    # CUDA's Triton kernels read a cache of the activations' dtype only
-    with pytest.raises(ValueError, match="kv_cache_dtype int8 on CUDA"):
-        resolved_kv_dtype(EngineConfig(device="cuda", kv_cache_dtype="int8"))
-    assert resolved_kv_dtype(EngineConfig(device="cuda", kv_cache_dtype="bfloat16"))
+    # CUDA's Triton kernels read every KV dtype (tests/kernels/test_triton_kv_dtypes.py)
+    assert resolved_kv_dtype(EngineConfig(device="cuda", kv_cache_dtype="int8")) == torch.int8
+    cuda_fp16_kv = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="float16")
+    assert resolved_kv_dtype(cuda_fp16_kv) == torch.float16
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512bf16"])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import threading
 import time
 
+import httpx
 import uvicorn
 
 MODEL = "default"
@@ -98,3 +100,25 @@ def wait_idle(llm, timeout: float = 20.0) -> None:
         time.sleep(0.05)
     m = llm.metrics()
     raise AssertionError(f"engine not idle: running={m.num_running} kv={m.kv_usage}")
+
+
+def stop_process(proc: subprocess.Popen) -> str:
+    """Kill a server process if it still runs; its output (stdout, with stderr in it)."""
+    if proc.poll() is None:
+        proc.kill()
+    out, _ = proc.communicate(timeout=30)
+    return out.decode(errors="replace")
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float) -> None:
+    """Until ``base``/health answers 200; fails with the process's output if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, stop_process(proc)
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)

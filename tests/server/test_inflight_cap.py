@@ -47,6 +47,8 @@ def test_a_client_at_its_cap_gets_429_and_others_do_not(capped, llm):
             err = r.json()["error"]
             assert err["type"] == "RateLimitError" and "--max-pending-per-client" in err["message"]
             assert a.post("/v1/chat/completions", json={"messages": []}).status_code == 429
+            assert a.post("/v1/responses", json={"input": "Hi"}).status_code == 429
+            assert a.get("/v1/responses/resp_1").status_code == 404  # a stored one: not held
             # Other routes and other clients are not held back.
             assert a.get("/health").status_code == 200
             assert a.post("/tokenize", json={"prompt": "Hi"}).status_code == 200

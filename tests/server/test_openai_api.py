@@ -332,7 +332,7 @@ _USER = [{"role": "user", "content": "Hi"}]
         ),
         ("completions", {"tools": [{"type": "function"}]}, "tools"),
         ("completions", {"suffix": "x"}, "suffix"),
-        ("completions", {"echo": True, "logprobs": 1}, "echo"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),
         ("completions", {"temperature": 1e39, "min_tokens": 2}, "temperature"),
         ("completions", {"repetition_penalty": 1e39}, "repetition_penalty"),
     ],
@@ -395,21 +395,20 @@ def test_logprob_bytes_rebuild_multibyte_text(llm):
     U+FFFD), and completions' text_offset counts characters (two emoji: offsets in [0, 1])."""
     from engine.outputs import TokenLogprob
     from engine.sampling_params import SamplingParams
-    from engine.server.openai_serving import Job, OpenAIServing, TextCursor
+    from engine.server.completion_logprobs import TextCursor, generated_logprobs
+    from engine.server.openai_serving import Job, OpenAIServing
 
     serving = OpenAIServing(llm, [MODEL])
     text = "😀😀 é"
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    assert any("\ufffd" in serving.token_str(t) for t in ids)  # the case that was lossy
+    assert any("\ufffd" in serving.text.str(t) for t in ids)  # the case that was lossy
     lps = [TokenLogprob(t, -0.5, {t: -0.5}) for t in ids]
 
-    def job(chat: bool) -> Job:
-        return Job(chat, "id", MODEL, [[1]], SamplingParams(), False, top_logprobs=1)
-
-    content = serving._logprobs(job(True), lps, TextCursor())["content"]
+    chat = Job(True, "id", MODEL, [[1]], SamplingParams(), False, top_logprobs=1)
+    content = serving._chat_logprobs(chat, lps)["content"]
     assert b"".join(bytes(c["bytes"]) for c in content).decode() == text
     assert b"".join(bytes(c["top_logprobs"][0]["bytes"]) for c in content).decode() == text
-    offsets = serving._logprobs(job(False), lps, TextCursor())["text_offset"]
+    offsets = generated_logprobs(serving.text, lps, 1, TextCursor())["text_offset"]
     assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
     first_emoji = [o for t, o in zip(ids, offsets) if o == 0]
     assert 1 < len(first_emoji) < len(ids)  # the emoji's byte tokens all start at 0

@@ -15,7 +15,13 @@ def test_openapi_describes_bodies_and_errors(http):
     doc = http.get("/openapi.json").json()
     paths = doc["paths"]
     schemas = doc["components"]["schemas"]
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+    ):
         op = paths[path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.rsplit("/", 1)[1] in schemas
@@ -38,6 +44,15 @@ def test_openapi_describes_bodies_and_errors(http):
     gen = paths["/v1/completions"]["post"]["responses"]
     assert set(gen["200"]["content"]) == {"application/json", "text/event-stream"}
     assert {"404", "503"} <= set(gen)
+    responses = schemas["ResponsesRequest"]["properties"]
+    assert {"input", "instructions", "tools", "text", "previous_response_id"} <= set(responses)
+    assert "reasoning" not in responses  # refused, not offered
+    stored = paths["/v1/responses/{response_id}"]
+    assert {"get", "delete"} <= set(stored) and "404" in stored["get"]["responses"]
+    assert set(paths["/v1/responses"]["post"]["responses"]["200"]["content"]) == {
+        "application/json",
+        "text/event-stream",
+    }
     assert not paths["/health"]["get"]["responses"]["200"].get("content")
     assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert http.get("/docs").status_code == 200  # as vLLM: docs on unless disabled

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from serverutil import MAX_MODEL_LEN, MODEL
+from serverutil import MAX_MODEL_LEN, MODEL, stop_process, wait_healthy
 
 from engine.ipc.ports import free_port
 
@@ -36,13 +36,6 @@ def _start(*args: str, engine_args: list[str] = ENGINE_ARGS) -> subprocess.Popen
         stderr=subprocess.STDOUT,
         env=env,
     )
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    if proc.poll() is None:
-        proc.kill()
-    out, _ = proc.communicate(timeout=30)
-    return out.decode(errors="replace")
 
 
 class _Stream(threading.Thread):
@@ -81,16 +74,7 @@ def test_sigterm_drains_then_exits_zero():
     base = f"http://127.0.0.1:{port}"
     proc = _start("serve", "--port", str(port), "--drain-timeout", "8")
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, _stop(proc)
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, base, START_TIMEOUT_S)
         short = _Stream(base + "/v1/completions", 8)  # finishes within the drain
         long = _Stream(base + "/v1/completions", 900)  # outlives it: aborted
         short.start()
@@ -112,7 +96,7 @@ def test_sigterm_drains_then_exits_zero():
         assert short.error is None and short.done and short.finish_reason == "length"
         assert long.error is None and long.done and long.finish_reason == "abort"
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.mark.slow
@@ -131,20 +115,7 @@ def test_rpc_sigterm_exits_zero():
             assert rest[-1].outputs[0].finish_reason == "abort"
         assert proc.wait(timeout=60) == 0
     finally:
-        _stop(proc)
-
-
-def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        assert proc.poll() is None, _stop(proc)
-        assert time.monotonic() < deadline, "the server did not start"
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+        stop_process(proc)
 
 
 def _running(base: str) -> float:
@@ -192,7 +163,7 @@ def test_drain_deadline_holds_with_a_long_prefill_waiting():
     args += ["--max-num-seqs", "1"]  # the long prompt waits until the short stream is done
     proc = _start("serve", "--port", str(port), "--drain-timeout", "5", engine_args=args)
     try:
-        _wait_healthy(proc, base)
+        wait_healthy(proc, base, START_TIMEOUT_S)
         short = _Stream(base + "/v1/completions", 16)
         short.start()
         assert short.first.wait(60)
@@ -209,7 +180,7 @@ def test_drain_deadline_holds_with_a_long_prefill_waiting():
         assert prefill.error is None and prefill.finish_reason == "abort"
         assert took < 5 + 10, f"a drain of 5 s took {took:.1f} s"
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.mark.slow  # CI time on a 2-core Zen 3 EPYC: `pytest -m slow`
@@ -220,7 +191,7 @@ def test_second_sigterm_exits_cleanly():
     base = f"http://127.0.0.1:{port}"
     proc = _start("serve", "--port", str(port), "--drain-timeout", "60")
     try:
-        _wait_healthy(proc, base)
+        wait_healthy(proc, base, START_TIMEOUT_S)
         stream = _Stream(base + "/v1/completions", 900)
         stream.start()
         assert stream.first.wait(60)
@@ -230,6 +201,6 @@ def test_second_sigterm_exits_cleanly():
         assert proc.wait(timeout=30) == 0
         stream.join(10)
         assert stream.error is None and stream.done and stream.finish_reason == "abort"
-        assert "terminate called" not in _stop(proc)
+        assert "terminate called" not in stop_process(proc)
     finally:
-        _stop(proc)
+        stop_process(proc)

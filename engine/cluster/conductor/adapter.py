@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from engine.cluster.conductor.conductor import Conductor, ConductorConfig
 from engine.cluster.conductor.cost_model import get_cost_model
 from engine.cluster.conductor.decision import REJECT_TBT, REJECT_TTFT, Decision
+from engine.cluster.conductor.decision_log import DecisionLog
 from engine.cluster.conductor.pipeline import PipelineShape
 from engine.cluster.conductor.prefix_index import EventError
 from engine.cluster.placement import Placed, PlacementBase
@@ -103,6 +104,7 @@ class ConductorPlacement(PlacementBase):
         self.block_size = block_size
         self.clock = clock
         self.last_decision: Decision | None = None
+        self.decisions = DecisionLog()  # the last placements and rejections (the dashboard's)
         self._ids = itertools.count()
         self._known: dict[str, str] = {}  # worker id -> role
         self._due: list[tuple[float, int, str, str]] = []  # (time, seq, what, request id)
@@ -172,6 +174,7 @@ class ConductorPlacement(PlacementBase):
         d = self.last_decision
         if d is None or not d.accepted:
             return
+        self.decisions.name_last(router_id)
         busy = self._in_prefill.setdefault(d.prefill, set())
         self._bound[router_id] = (d.request_id, self.clock(), not busy)
         busy.add(router_id)
@@ -227,6 +230,9 @@ class ConductorPlacement(PlacementBase):
         for ids in self._in_prefill.values():
             ids.discard(router_id)
 
+    def recent_decisions(self) -> list[dict]:
+        return self.decisions.snapshot()
+
     def rejection_error(self) -> RequestRejectedError | None:
         """The last refusal as a 429, if it was the SLOs' (no live worker is not a 429)."""
         d = self.last_decision
@@ -259,6 +265,7 @@ class ConductorPlacement(PlacementBase):
         rid = f"placement-{next(self._ids)}"
         d = self.conductor.decide(rid, keys, max(1, len(prompt_token_ids)), now, priority=priority)
         self.last_decision = d
+        self.decisions.record(d)
         if not d.accepted:
             return None
         heapq.heappush(self._due, (now + d.est_ttft_s, next(self._seq), "prefill", rid))

@@ -179,6 +179,10 @@ class Router:
         last heartbeat said (/health and /metrics show these)."""
         return self._members.status()
 
+    def recent_decisions(self) -> list[dict]:
+        """The placement's last decisions, oldest first (the dashboard shows them)."""
+        return list(self.placement.recent_decisions())
+
     def placement_of(self, request_id: str) -> tuple[str, str, str] | None:
         """(phase, prefill worker, decode worker) of a request in flight (tests, debugging)."""
         req = self._requests.get(request_id)
