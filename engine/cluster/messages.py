@@ -98,6 +98,9 @@ class Heartbeat(Message, kind="heartbeat"):
     step_tokens: float = 0.0
     hidden_bytes_sent: int = 0  # a group's stage: hidden-state bytes sent to the next stage
     spec: dict = field(default_factory=dict)  # its engine's speculative decoding counters
+    # Its engine's prefix-cache lookups since start, in prompt tokens: looked up, found.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 class Goodbye(Message, kind="goodbye"):

@@ -194,11 +194,16 @@ class Router:
 
     def metrics(self) -> MetricsSnapshot:
         ws = self._members.reporting()
+        # Prompts are looked up in the prefix cache where they are prefilled: the prefill
+        # workers and each group's first stage (its other stages look up the same prompts).
+        lookups = [w.hb for w in ws if w.role == "prefill" and w.stage == 0]
         return self.stats.snapshot(
             num_running=sum(w.hb.running for w in ws),
             num_waiting=sum(w.hb.waiting for w in ws),
             kv_usage=max((w.hb.kv_usage for w in ws if w.role == "decode"), default=0.0),
             spec=sum_spec_stats([w.hb.spec for w in ws]),
+            prefix_queries=sum(hb.prefix_queries for hb in lookups),
+            prefix_hits=sum(hb.prefix_hits for hb in lookups),
         )
 
     async def shutdown(self, timeout: float = 30.0) -> None:

@@ -131,6 +131,8 @@ class Presence:
             transfers=self.role.num_requests,
             finished=finished,
             spec=e.spec.stats.snapshot() if e.spec is not None else {},
+            prefix_queries=int(e.kv.prefix_queries),
+            prefix_hits=int(e.kv.prefix_hits),
             **self.role.heartbeat(),
         )
 

@@ -142,3 +142,21 @@ def test_metrics_and_health_show_every_workers_state_and_load(cluster):
         body = health.json()
         assert body["status"] == "unavailable" and body["error"]["code"] == 503
         assert body["workers"]["p0"]["state"] == "dead"
+
+
+def test_the_clusters_prefix_cache_counters_are_the_prefill_workers(cluster):
+    """The router's engine:prefix_cache_* (and the dashboard's hit rate) add up what the
+    prefill workers report: prompts are looked up where they are prefilled; a decode worker's
+    own lookups (KV it receives) are not the cluster's prefix hits."""
+    router, workers = cluster
+    workers.set(m.Heartbeat("p0", "up", 0, 0, 0.0, 0, 0, 0, prefix_queries=300, prefix_hits=96))
+    workers.set(m.Heartbeat("p1", "up", 0, 0, 0.0, 0, 0, 0, prefix_queries=100, prefix_hits=32))
+    workers.set(m.Heartbeat("d0", "up", 0, 0, 0.0, 0, 0, 0, prefix_queries=999, prefix_hits=999))
+    wait_until(lambda: router.metrics().prefix_queries == 400, "the prefill workers' lookups")
+    assert router.metrics().prefix_hits == 128
+    with http_server(router) as srv:
+        s = samples(httpx.get(f"{srv.url}/metrics", timeout=30).text)
+        data = httpx.get(f"{srv.url}/dashboard/data", timeout=30).json()
+    assert s[key("engine:prefix_cache_queries_total")] == 400
+    assert s[key("engine:prefix_cache_hits_total")] == 128
+    assert data["engine"]["prefix_cache_hit_rate"] == 128 / 400

@@ -38,7 +38,12 @@ def stub_engine():
         max_model_len=256,
         metrics=SimpleNamespace(lock=threading.Lock(), finished={"stop": 1}),
         scheduler=SimpleNamespace(running=[1], waiting=[1, 2], loading=[3]),
-        kv=SimpleNamespace(usage=lambda: 0.25, pool=SimpleNamespace(counts=lambda: counts)),
+        kv=SimpleNamespace(
+            usage=lambda: 0.25,
+            pool=SimpleNamespace(counts=lambda: counts),
+            prefix_queries=80,
+            prefix_hits=48,
+        ),
         spec=SimpleNamespace(stats=SpecStats(3, 12, 7, [3, 2, 2])),  # speculative decoding's
     )
 
@@ -68,6 +73,7 @@ def test_registration_and_heartbeat_carry_the_worker_and_its_role(presence):
     assert (hb.kv_usage, hb.used_blocks) == (0.25, 5)
     assert (hb.transfers, hb.finished) == (3, {"stop": 1})
     assert (hb.staging_used, hb.steps, hb.step_s) == (4096, 2, 0.5)
+    assert (hb.prefix_queries, hb.prefix_hits) == (80, 48)  # the router sums the prefill side's
     assert hb.spec == {
         "verifications": 3,
         "proposed": 12,
