@@ -100,6 +100,9 @@ class ResponsesRequest(BaseModel):
     user: str | None = Field(None, max_length=512)
     safety_identifier: str | None = Field(None, max_length=512)
     truncation: Literal["disabled"] | None = None
+    # vLLM's extension, as on the chat and completions routes: under --scheduling-policy
+    # priority a lower value is served first; under fcfs anything but 0 is a 400 naming it.
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     background: SkipJsonSchema[Any] = None
     conversation: SkipJsonSchema[Any] = None
     prompt: SkipJsonSchema[Any] = None

@@ -113,6 +113,7 @@ class ResponsesServing:
             top_logprobs=None,
             tools=tools,
             constraint_field=field,
+            priority=body.priority,
         )
         echo = [t.model_dump() for t in tools_given or ()]
         return ResponseJob(chat, body, conversation, echo)
