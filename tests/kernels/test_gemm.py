@@ -32,7 +32,8 @@ def test_panels_hold_the_weight_rows_in_k_major_order():
 
 @needs_cc
 @pytest.mark.parametrize("w_dtype", WEIGHTS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13])  # tiles of 6 and every remainder
+# tiles of 6 (AVX2) and of 12 (AVX-512), and their remainders
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 11, 12, 13, 25])
 def test_the_kernel_is_the_reference_chain_bit_for_bit(rows, w_dtype):
     # 37 outputs: two panels, the second partial; K = 45: no vector-width assumption on K
     x, w = inputs(37, 45, rows, w_dtype)
@@ -96,9 +97,11 @@ def test_bad_shapes_are_refused_by_name():
 
 
 @needs_cc
-def test_the_plain_c_path_gives_the_avx2_paths_bits(tmp_path):
-    # gemm.h's plain loops call fmaf in the kernel's order: built for x86-64 without AVX2 (a CPU
-    # below the AVX2 class), the GEMM gives the bits of the loaded (vector) build
+@pytest.mark.parametrize("march, path", [("x86-64", b"c"), ("x86-64-v3", b"avx2")])
+def test_every_class_gives_the_same_bits(tmp_path, march, path):
+    # gemm.h's plain loops call fmaf in the kernel's order and its AVX2 and AVX-512 tiles hold
+    # one chain per lane: built for x86-64 without AVX2 (a CPU below the AVX2 class) or for the
+    # AVX2 class, the GEMM gives the bits of the loaded build (AVX-512 on such a CPU)
     import ctypes
     import platform
     import subprocess
@@ -106,23 +109,23 @@ def test_the_plain_c_path_gives_the_avx2_paths_bits(tmp_path):
     from engine.kernels.native import _HERE, DTYPE_CODES, FLAGS
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the plain build's target is x86-64")
-    lib_path = tmp_path / "plain.so"
+        pytest.skip("these builds target x86-64")
+    lib_path = tmp_path / f"gemm-{march}.so"
     subprocess.run(
-        [native.compiler(), *FLAGS, "-march=x86-64", str(_HERE / "gemm.c"), "-o", str(lib_path),
-         "-lm"],
+        [native.compiler(), *FLAGS, f"-march={march}", str(_HERE / "gemm.c"), "-o",
+         str(lib_path), "-lm"],
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
-    plain = ctypes.CDLL(str(lib_path))
-    plain.engine_gemm_path.restype = ctypes.c_char_p
-    assert plain.engine_gemm_path() == b"c"
-    x, w = inputs(37, 300, 9, torch.bfloat16)
+    built = ctypes.CDLL(str(lib_path))
+    built.engine_gemm_path.restype = ctypes.c_char_p
+    assert built.engine_gemm_path() == path
+    x, w = inputs(37, 300, 29, torch.bfloat16)  # 29 rows: whole and partial tiles of both widths
     p = pack_panels(w)
-    y = torch.empty(9, 37)
+    y = torch.empty(29, 37)
     i64 = ctypes.c_int64
-    rc = plain.engine_gemm(
+    rc = built.engine_gemm(
         DTYPE_CODES[x.dtype], DTYPE_CODES[p.dtype], ctypes.c_void_p(x.data_ptr()),
-        ctypes.c_void_p(p.data_ptr()), ctypes.c_void_p(y.data_ptr()), i64(9), i64(37), i64(300),
+        ctypes.c_void_p(p.data_ptr()), ctypes.c_void_p(y.data_ptr()), i64(29), i64(37), i64(300),
         i64(300), i64(37), 2,
     )  # fmt: skip
     assert rc == 0

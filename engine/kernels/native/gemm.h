@@ -9,10 +9,12 @@
 
    whichever tile, row count, thread or path computes it: the AVX2 micro-kernel holds one output
    per lane (GEMM_MR rows x GEMM_NR columns in 12 registers, x broadcast, W's panel row widened
-   exactly in registers), the plain-C path calls fmaf in the same order, so the two agree bit for
-   bit (and CPUs with AVX-512 run the AVX2 kernel). There are no horizontal sums and no split of
-   K. Prefill chunks and decode steps therefore give the same bits for the same row, whatever the
-   batch, the chunk budget or the thread count.
+   exactly in registers), the AVX-512 one the same per lane of 16 (12 rows x two panels in 24
+   registers: a k step feeds 24 FMAs from 2 weight loads and 12 broadcasts), the plain-C path
+   calls fmaf in the same order, so the three agree bit for bit: an FMA is one rounding whatever
+   the register width. There are no horizontal sums and no split of K. Prefill chunks and decode
+   steps therefore give the same bits for the same row, whatever the batch, the chunk budget,
+   the thread count or the CPU class.
 
    The products of 16-bit weights with float32 (or 16-bit) activations are exact in float32; only
    the sums round, once per k. */
@@ -29,15 +31,22 @@
 #include "gemv_avx2.h" /* GEMV_AVX2 (AVX2, FMA, F16C) and widen8_w: weights widened exactly */
 #include "steal.h"
 
-#if defined(GEMV_AVX2)
+#if defined(GEMV_AVX2) && defined(__AVX512F__)
+#define GEMM_AVX512 1
+#define GEMM_PATH "avx512"
+#elif defined(GEMV_AVX2)
 #define GEMM_AVX2 1
 #define GEMM_PATH "avx2"
 #else
 #define GEMM_PATH "c"
 #endif
 
-#define GEMM_NR 16 /* weight rows per panel: two 8-lane registers */
-#define GEMM_MR 6  /* activation rows per tile: 12 accumulators + 2 weights + 1 broadcast */
+#define GEMM_NR 16 /* weight rows per panel: two 8-lane registers, or one 16-lane one */
+#if defined(GEMM_AVX512)
+#define GEMM_MR 12 /* rows per tile: 12 x 2 accumulators + 2 weights + 1 broadcast of 32 */
+#else
+#define GEMM_MR 6 /* activation rows per tile: 12 accumulators + 2 weights + 1 broadcast */
+#endif
 #define GEMM_MC 96 /* activation rows per work item (16 tiles): K x 96 floats stay in L2 */
 /* Rows up to which a work item is a few panels for all rows (the weights stream once, as in
    a decode step), rather than a block of rows against a few panels. */
@@ -46,6 +55,80 @@
 #define GEMM_PF_BYTES 2048 /* streaming a panel at a few rows: prefetch this far ahead */
 
 static inline int64_t gemm_esize(int wt) { return wt == DT_F32 ? 4 : 2; }
+
+#if defined(GEMM_AVX512)
+/* 16 weights from element k of a panel (16-bit or float32 codes), as float32: exact. */
+static inline __attribute__((always_inline)) __m512 gemm_widen16(int wt, const void *w,
+                                                                 int64_t k) {
+    if (wt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k))),
+            16));
+    if (wt == DT_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
+    return _mm512_loadu_ps((const float *)w + k);
+}
+
+/* The AVX-512 tile: R rows (<= GEMM_MR) against NP (1 or 2) panels, the second pstride bytes
+   after the first; y's columns [0, cols), cols <= NP * GEMM_NR. One 16-lane accumulator per row
+   and panel: lane j of acc[r][c] is the chain of output (r, c * GEMM_NR + j). R and NP constants
+   once inlined. */
+static inline __attribute__((always_inline)) void gemm_tile512(int wt, const float *x,
+                                                               int64_t ldx, int R, int NP,
+                                                               const char *panel, int64_t pstride,
+                                                               int64_t K, float *y, int64_t ldy,
+                                                               int cols, int pf) {
+    __m512 acc[GEMM_MR][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t row = GEMM_NR * gemm_esize(wt);
+    for (int64_t k = 0; k < K; k++) {
+        __m512 b[2];
+        for (int c = 0; c < NP; c++) {
+            if (pf && (k & 1) == 0)
+                __builtin_prefetch(panel + c * pstride + k * row + GEMM_PF_BYTES, 0, 0);
+            b[c] = gemm_widen16(wt, panel + c * pstride, k * GEMM_NR);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+            for (int c = 0; c < NP; c++) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
+        }
+    }
+    for (int c = 0; c < NP; c++) {
+        const int left = cols - c * GEMM_NR;
+        const __mmask16 m = left >= GEMM_NR ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy + c * GEMM_NR, m, acc[r][c]);
+    }
+}
+
+/* Rows [0, M) in tiles of GEMM_MR (the last smaller) against NP panels. */
+static inline __attribute__((always_inline)) void gemm_rows512(int wt, const float *x,
+                                                               int64_t ldx, int64_t M, int NP,
+                                                               const char *panel, int64_t pstride,
+                                                               int64_t K, float *y, int64_t ldy,
+                                                               int cols, int pf) {
+    int64_t m = 0;
+    for (; m + GEMM_MR <= M; m += GEMM_MR)
+        gemm_tile512(wt, x + m * ldx, ldx, GEMM_MR, NP, panel, pstride, K, y + m * ldy, ldy,
+                     cols, pf);
+#define GEMM_REST(R) \
+    gemm_tile512(wt, x + m * ldx, ldx, R, NP, panel, pstride, K, y + m * ldy, ldy, cols, pf)
+    switch (M - m) {
+    case 1: GEMM_REST(1); break;
+    case 2: GEMM_REST(2); break;
+    case 3: GEMM_REST(3); break;
+    case 4: GEMM_REST(4); break;
+    case 5: GEMM_REST(5); break;
+    case 6: GEMM_REST(6); break;
+    case 7: GEMM_REST(7); break;
+    case 8: GEMM_REST(8); break;
+    case 9: GEMM_REST(9); break;
+    case 10: GEMM_REST(10); break;
+    case 11: GEMM_REST(11); break;
+    default: break;
+    }
+#undef GEMM_REST
+}
+#endif
 
 /* y[r * ldy + j] for r < R, j < cols (<= GEMM_NR): rows x[r * ldx ...] against one panel. R a
    constant once inlined (the accumulators then live in registers). */
@@ -112,13 +195,27 @@ static inline __attribute__((always_inline)) void gemm_rows(int wt, const float 
 #undef GEMM_REST
 }
 
-static void gemm_rows_wt(int wt, const float *x, int64_t ldx, int64_t M, const void *panel,
-                         int64_t K, float *y, int64_t ldy, int cols, int pf) {
+/* Rows [0, M) against np (1 or 2) panels, the second pstride bytes after the first; cols of y
+   in all (<= np * GEMM_NR). */
+static void gemm_rows_wt(int wt, const float *x, int64_t ldx, int64_t M, const char *panel,
+                         int64_t pstride, int np, int64_t K, float *y, int64_t ldy, int cols,
+                         int pf) {
+#if defined(GEMM_AVX512)
+#define GEMM_WT(W)                                                                           \
+    (np == 2 ? gemm_rows512(W, x, ldx, M, 2, panel, pstride, K, y, ldy, cols, pf)            \
+             : gemm_rows512(W, x, ldx, M, 1, panel, pstride, K, y, ldy, cols, pf))
+#else
+#define GEMM_WT(W)                                                                           \
+    for (int c = 0; c < np; c++)                                                             \
+        gemm_rows(W, x, ldx, M, panel + c * pstride, K, y + c * GEMM_NR, ldy,                \
+                  cols - c * GEMM_NR < GEMM_NR ? cols - c * GEMM_NR : GEMM_NR, pf)
+#endif
     switch (wt) {
-    case DT_BF16: gemm_rows(DT_BF16, x, ldx, M, panel, K, y, ldy, cols, pf); break;
-    case DT_F16: gemm_rows(DT_F16, x, ldx, M, panel, K, y, ldy, cols, pf); break;
-    default: gemm_rows(DT_F32, x, ldx, M, panel, K, y, ldy, cols, pf); break;
+    case DT_BF16: GEMM_WT(DT_BF16); break;
+    case DT_F16: GEMM_WT(DT_F16); break;
+    default: GEMM_WT(DT_F32); break;
     }
+#undef GEMM_WT
 }
 
 /* y[m * ldy + n] = sum_k x[m * ldx + k] * W[n][k] in the one order above, for m < M, n < N;
@@ -143,27 +240,31 @@ static void gemm_packed_rows(int wt, const float *x, int64_t ldx, int64_t M, int
 #pragma omp parallel num_threads(parts)
     {
         StealCursor cur = steal_cursor(parts);
-        float *wide = widen ? malloc(sizeof(float) * (size_t)(K > 0 ? K : 1) * GEMM_NR) : NULL;
+        float *wide =
+            widen ? malloc(sizeof(float) * (size_t)(K > 0 ? K : 1) * GEMM_NR * GEMM_PANELS_PER_ITEM)
+                  : NULL;
+        const int64_t wstride = (int64_t)sizeof(float) * K * GEMM_NR; /* bytes per wide panel */
         int64_t wide_panel = -1;
         for (int64_t item; (item = steal_next(steal_ranges_, &cur)) >= 0;) {
             const int64_t g = item / mblocks, mb = item % mblocks;
             const int64_t m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
-            for (int64_t p = g * GEMM_PANELS_PER_ITEM;
-                 p < (g + 1) * GEMM_PANELS_PER_ITEM && p < panels; p++) {
-                const int64_t n0 = p * GEMM_NR;
-                const int cols = N - n0 < GEMM_NR ? (int)(N - n0) : GEMM_NR;
-                const char *panel = (const char *)wp + p * pstride;
-                if (wide) {
-                    if (wide_panel != p) {
-                        for (int64_t i = 0; i < K * GEMM_NR; i++) wide[i] = load_f32(wt, panel, i);
-                        wide_panel = p;
-                    }
-                    gemm_rows_wt(DT_F32, x + m0 * ldx, ldx, m1 - m0, wide, K, y + m0 * ldy + n0,
-                                 ldy, cols, pf);
-                } else {
-                    gemm_rows_wt(wt, x + m0 * ldx, ldx, m1 - m0, panel, K, y + m0 * ldy + n0, ldy,
-                                 cols, pf);
+            const int64_t p0 = g * GEMM_PANELS_PER_ITEM;
+            const int np = panels - p0 < GEMM_PANELS_PER_ITEM ? (int)(panels - p0)
+                                                              : GEMM_PANELS_PER_ITEM;
+            const int64_t n0 = p0 * GEMM_NR;
+            const int cols = N - n0 < np * GEMM_NR ? (int)(N - n0) : np * GEMM_NR;
+            const char *panel = (const char *)wp + p0 * pstride;
+            if (wide) {
+                if (wide_panel != p0) {
+                    for (int64_t i = 0; i < np * K * GEMM_NR; i++)
+                        wide[i] = load_f32(wt, panel, i); /* the np panels are contiguous */
+                    wide_panel = p0;
                 }
+                gemm_rows_wt(DT_F32, x + m0 * ldx, ldx, m1 - m0, (const char *)wide, wstride, np,
+                             K, y + m0 * ldy + n0, ldy, cols, pf);
+            } else {
+                gemm_rows_wt(wt, x + m0 * ldx, ldx, m1 - m0, panel, pstride, np, K,
+                             y + m0 * ldy + n0, ldy, cols, pf);
             }
         }
         free(wide);
