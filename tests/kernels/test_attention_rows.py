@@ -91,3 +91,38 @@ def test_a_row_table_outside_the_tables_is_refused():
     bad = torch.full_like(seq, 5)  # the tables have one row
     with pytest.raises(ValueError, match="block table"):
         decode_attention_native(q, k, v, tables, causal, 0.125, row_tables=bad)
+
+
+_CAPPED = """
+import sys, torch
+from test_attention_rows import rows, sequences
+from engine.kernels import native
+q, k, v, tables, seq, causal = sequences([600, 40], torch.bfloat16)
+out = [rows(q, k, v, tables, seq, causal, range(640)), rows(q, k, v, tables, seq, causal, [599])]
+torch.save({"path": native.attention_path(), "out": out}, sys.argv[1])
+"""
+
+
+def test_the_avx2_class_gives_this_cpus_bits(tmp_path):
+    # the chunk is two fixed-order GEMMs (gemm.h: one chain per output on every class) around
+    # one softmax: a CPU capped to the AVX2 class computes the same bits as this one's build
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.cpu_isa import LEVELS, this_cpu
+
+    if LEVELS.index(this_cpu().level) <= LEVELS.index("avx2"):
+        pytest.skip("this run's class is AVX2 (or below, or capped): nothing to compare with")
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATEN_", "ONEDNN_", "MKL_"))}
+    env["ENGINE_CPU_ISA"] = "avx2"
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), str(here.parents[1])])
+    subprocess.run([sys.executable, "-c", _CAPPED, str(tmp_path / "capped.pt")], env=env,
+                   check=True, timeout=300)  # fmt: skip
+    capped = torch.load(tmp_path / "capped.pt")
+    assert capped["path"] == "avx2" and native.attention_path() != "avx2"
+    q, k, v, tables, seq, causal = sequences([600, 40], torch.bfloat16)
+    assert torch.equal(capped["out"][0], rows(q, k, v, tables, seq, causal, range(640)))
+    assert torch.equal(capped["out"][1], rows(q, k, v, tables, seq, causal, [599]))

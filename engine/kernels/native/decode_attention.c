@@ -1,30 +1,25 @@
 /* Paged decode attention on the CPU: one query token per sequence over its paged KV cache.
 
    The C counterpart of decode_attention_ref (engine/kernels/decode_attention.py), built at run
-   time by engine/kernels/native/__init__.py and called through ctypes. The torch reference gathers every
-   sequence's blocks into a copy, converts it to float32 and runs batched matmuls: the KV crosses
-   memory three or four times, through a dozen ops per layer. Here each K and V row is read once,
-   straight from its paged block, converted in registers and consumed.
+   time by engine/kernels/native/__init__.py and called through ctypes: each K and V row read
+   straight from its paged block, in the cache's dtype.
 
    Every query row (a decode token, or a token of a prefill chunk with its own causal length)
    is attended in chunks of CHUNK tokens at absolute positions (tokens [0, 256), [256, 512), ...
    of its sequence), each chunk's part (unnormalised output, max, sum of exponentials) merged
-   into the row's state in chunk order by the online softmax's rule (merge_part). Work items:
-   with few rows, (row, chunk) or (row, chunk, KV head), the parts merged afterwards
-   (flash-decoding: a long context is split across the team); with many rows, blocks of rows
-   that go over each chunk in turn (a prefill chunk), the rows of one sequence together: on
-   AVX2 they take the chunk's keys a tile at a time (rows_avx2), each tile of K and V read into
-   L1 once for all the rows and query heads of its KV head.
+   into the row's state in chunk order by the online softmax's rule (merge_part). A chunk is
+   two fixed-order GEMMs around a softmax (attention_tiles.h: the chunk's K and V packed once in
+   panels for all the rows and query heads of a KV head, then gemm.h's tiles). Work items: with
+   few rows, (run, chunk) or (run, chunk, KV head), a run being one sequence's rows, the parts
+   merged afterwards (flash-decoding: a long context is split across the team); with many rows,
+   blocks of rows that go over each chunk in turn (a prefill chunk).
    Both give the same bits: a row's result depends only on its query, its length and its
    cache, never on the rows beside it, the thread count, or whether it is a prefill or a decode
    row. The tile boundaries being absolute positions is what makes a chunked prefill and a
-   decode of the same token agree (issue 41, deterministic by default).
-
-   Vector paths (engine_decode_attention_path says which was compiled in): AVX-512
-   (decode_attention_avx512.h), and AVX2 with FMA and F16C (decode_attention_avx2.h; x86-64-v3:
-   8 keys' dots at a time, bf16 widened by a shift, fp16 by F16C), each for head_dim 64 and 128;
-   plain loops otherwise and on other CPUs (here). The paths sum in different
-   orders, so their bits differ from each other (not within one build).
+   decode of the same token agree (issue 41, deterministic by default). gemm.h's tiles compute
+   one chain per output on every class, so the AVX-512, AVX2 and plain builds agree on the
+   scores and weighted sums; the softmax is the AVX2 code on both vector classes (the plain
+   build's differs in its sum's order).
 
    Numerics: scores, softmax and the weighted sum in float32 (exp by a degree-6 polynomial,
    relative error ~2e-7); the output rounded to the cache's dtype (bfloat16 round-to-nearest-even,
@@ -44,46 +39,6 @@
 /* The vector path compiled in here: "avx512", "avx2" (AVX2 with FMA and F16C) or "c" (plain
    loops). */
 const char *engine_decode_attention_path(void) { return ATTN_PATH; }
-
-/* a . b over n floats. gcc reduces an `omp simd` sum lane by lane through memory, which made
-   the per-token dots the kernel's bottleneck; with AVX-512 (or AVX2) the lanes are summed as a
-   tree. */
-static inline float dot(const float *a, const float *b, int n) {
-    int i = 0;
-    float s = 0.f;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    s = _mm512_reduce_add_ps(acc);
-#elif defined(ATTN_AVX2)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-#endif
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-/* One row of n elements of dtype dt to float32 (an int8 row times its scale). */
-static inline void load_row(int dt, const void *src, int64_t off, float *dst, int n) {
-    if (dt == DT_I8) {
-        const int8_t *p = (const int8_t *)src + off;
-        const float s = i8_row_scale(src, off, n);
-        for (int i = 0; i < n; i++) dst[i] = (float)p[i] * s;
-    } else if (dt == DT_BF16) {
-        const uint16_t *p = (const uint16_t *)src + off;
-        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(p[i]);
-    } else if (dt == DT_F16) {
-        const _Float16 *p = (const _Float16 *)src + off;
-        for (int i = 0; i < n; i++) dst[i] = (float)p[i];
-    } else {
-        memcpy(dst, (const float *)src + off, sizeof(float) * (size_t)n);
-    }
-}
 
 static inline void store_row(int dt, void *dst, int64_t off, const float *src, float mul, int n) {
     if (dt == DT_BF16) {
@@ -169,87 +124,26 @@ static inline void softmax_chunk(float *s, int n, float *m, float *l) {
     *m = mx, *l = sum;
 }
 
-/* Portable loops: scores[h][t - t0] = q[h] . k[t], and acc[h] += p[h][t] * v[t]. */
-static void scores_generic(const Args *a, const int32_t *table, int kh, int t0, int t1,
-                           const float *q, float *scores) {
-    const int D = a->dim, G = a->heads / a->kv_heads;
-    float row[MAX_DIM];
-    for (int t = t0; t < t1; t++) {
-        load_row(a->kdt, a->k, row_offset(table, t, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh),
-                 row, D);
-        for (int h = kh * G; h < (kh + 1) * G; h++)
-            scores[(size_t)h * CHUNK + (t - t0)] = dot(q + (size_t)h * D, row, D);
-    }
-}
+/* The chunk as two fixed-order GEMMs around the softmax. */
+#include "attention_tiles.h"
 
-static void values_generic(const Args *a, const int32_t *table, int kh, int t0, int t1,
-                           const float *probs, float *acc) {
-    const int D = a->dim, G = a->heads / a->kv_heads;
-    float row[MAX_DIM];
-    memset(acc + (size_t)kh * G * D, 0, sizeof(float) * (size_t)G * (size_t)D);
-    for (int t = t0; t < t1; t++) {
-        load_row(a->kdt, a->v, row_offset(table, t, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh),
-                 row, D);
-        for (int h = kh * G; h < (kh + 1) * G; h++) {
-            const float p = probs[(size_t)h * CHUNK + (t - t0)];
-            float *o = acc + (size_t)h * D;
-#pragma omp simd
-            for (int d = 0; d < D; d++) o[d] += p * row[d];
-        }
-    }
-}
-
-/* The vector paths' scores_nv* and values_nv* (whichever this build compiles in). */
-#include "decode_attention_avx512.h"
-#include "decode_attention_avx2.h"
+/* Scratch floats of attend_rows for R rows. */
+static size_t attend_scratch_floats(const Args *a, int R) { return tiles_scratch_floats(a, R); }
 
 /* Attention of query rows rows[0..R) of one sequence (they share its block table row) for the
    query heads of KV heads [kh0, kh1) over the chunk at t0 (absolute positions), row r over its
    first ns[r] tokens (its causal length within the chunk): row r's part, its unnormalised
    output acc [heads, dim], max m [heads] and sum of exponentials l [heads], at parts + r * part
-   (part = heads * (dim + 2)). scratch: R * heads * (CHUNK + dim) floats (the scores, then the
-   scaled queries). One compiled copy (noinline) serves every caller, and a row's bits never
-   depend on who asks for it or on the rows beside it (on AVX2 the rows share each tile of keys,
-   rows_avx2; elsewhere they are taken one by one). */
+   (part = heads * (dim + 2)). scratch: attend_scratch_floats(a, R). One compiled copy
+   (noinline) serves every caller, and a row's bits never depend on who asks for it or on the
+   rows beside it (attention_tiles.h). */
 static __attribute__((noinline)) void attend_rows(const Args *a, const int *rows, const int *ns,
                                                   int R, int kh0, int kh1, int t0,
                                                   float *scratch, float *parts) {
-    const int H = a->heads, D = a->dim, G = H / a->kv_heads;
-    const size_t part = (size_t)H * ((size_t)D + 2), ss = (size_t)H * CHUNK, rs = (size_t)H * D;
-    float *scores = scratch, *q = scratch + ss * (size_t)R;
+    const size_t part = (size_t)a->heads * ((size_t)a->dim + 2);
     const int32_t *table = row_table(a, rows[0]);
-    for (int r = 0; r < R; r++)
-        for (int h = kh0 * G; h < kh1 * G; h++) {
-            float *qh = q + rs * (size_t)r + (size_t)h * D;
-            load_row(a->dt, a->q, (int64_t)rows[r] * a->sq_b + (int64_t)h * a->sq_h, qh, D);
-            for (int d = 0; d < D; d++) qh[d] *= a->scale;
-        }
-    void (*scores_fn)(const Args *, const int32_t *, int, int, int, const float *, float *) =
-        scores_generic;
-    void (*values_fn)(const Args *, const int32_t *, int, int, int, const float *, float *) =
-        values_generic;
-#if defined(__AVX512F__)
-    if (D == 64) scores_fn = scores_nv4, values_fn = values_nv4;
-    if (D == 128) scores_fn = scores_nv8, values_fn = values_nv8;
-#elif defined(ATTN_AVX2)
-    void (*rows_fn)(const Args *, const int32_t *, int, int, const int *, int, const float *,
-                    size_t, float *, size_t, float *, size_t) =
-        D == 64 ? rows_nv8 : (D == 128 ? rows_nv16 : NULL);
-    if (rows_fn) {
-        for (int kh = kh0; kh < kh1; kh++)
-            rows_fn(a, table, kh, t0, ns, R, q, rs, scores, ss, parts, part);
-        return;
-    }
-#endif
-    for (int r = 0; r < R; r++) {
-        const float *qr = q + rs * (size_t)r;
-        float *sr = scores + ss * (size_t)r, *pr = parts + part * (size_t)r;
-        for (int kh = kh0; kh < kh1; kh++) scores_fn(a, table, kh, t0, t0 + ns[r], qr, sr);
-        for (int h = kh0 * G; h < kh1 * G; h++)
-            softmax_chunk(sr + (size_t)h * CHUNK, ns[r], pr + (size_t)H * D + h,
-                          pr + (size_t)H * D + H + h);
-        for (int kh = kh0; kh < kh1; kh++) values_fn(a, table, kh, t0, t0 + ns[r], sr, pr);
-    }
+    for (int kh = kh0; kh < kh1; kh++)
+        tiles_chunk(a, table, rows, ns, R, kh, t0, scratch, parts, part);
 }
 
 /* Folds a chunk's part (acc, m, l of attend_rows) for heads [h0, h1) into a row's running
@@ -302,7 +196,9 @@ int engine_check_tables(const int32_t *block_tables, const int32_t *seq_lens,
 }
 
 /* Rows in a row block of the row-major mode (below). */
-#define ROW_BLOCK_ROWS 16
+#define ROW_BLOCK_ROWS 64
+/* Query rows from which a call takes row blocks; fewer take items of (run, chunk). */
+#define ROW_BLOCKS_FROM 64
 
 /* Many rows (prefill chunks, big decode batches): a work item is a block of ROW_BLOCK_ROWS query
    rows (and, when blocks are few, one KV head's query heads), its chunks taken in order, every
@@ -317,8 +213,8 @@ static int attention_row_blocks(const Args *a, int batch, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     {
         const size_t state = (size_t)heads * ((size_t)dim + 2);
-        float *scratch = malloc(sizeof(float) * ROW_BLOCK_ROWS *
-                                ((size_t)heads * (CHUNK + (size_t)dim) + 2 * state));
+        const size_t attend = attend_scratch_floats(a, ROW_BLOCK_ROWS);
+        float *scratch = malloc(sizeof(float) * (attend + 2 * ROW_BLOCK_ROWS * state));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -331,7 +227,7 @@ static int attention_row_blocks(const Args *a, int batch, int num_threads) {
             const int kh0 = split == 1 ? 0 : (int)(j % split);
             const int kh1 = split == 1 ? a->kv_heads : kh0 + 1;
             float *sc = scratch;
-            float *part = sc + ROW_BLOCK_ROWS * (size_t)heads * (CHUNK + (size_t)dim);
+            float *part = sc + attend;
             float *st = part + state * ROW_BLOCK_ROWS; /* the rows' states */
             int group[ROW_BLOCK_ROWS], ns[ROW_BLOCK_ROWS];
             int chunks = 0;
@@ -375,36 +271,57 @@ static int attention_row_blocks(const Args *a, int batch, int num_threads) {
     return failed ? -2 : 0;
 }
 
-/* Few rows (a decode step of a few sequences): work items are (row, chunk), or (row, chunk, KV
-   head) when they are fewer than the threads, so that a long context is split across the team
-   (flash-decoding); each row's parts are then merged in chunk order (merge_part), the same bits
-   as attention_row_blocks'. */
+/* Few rows (a decode step of a few sequences, a step that verifies speculative drafts): work
+   items are (run, chunk), or (run, chunk, KV head) when they are fewer than the threads, so that
+   a long context is split across the team (flash-decoding). A run is the consecutive rows that
+   share a block table row (one sequence's rows): they share each chunk's packed K and V. Each
+   row's parts are then merged in chunk order (merge_part), the same bits as
+   attention_row_blocks'. */
 static int attention_split(const Args *a, int batch, int num_threads) {
-    const int heads = a->heads, dim = a->dim;
+    const int heads = a->heads, dim = a->dim, G = heads / a->kv_heads;
     const int32_t *seq_lens = a->lens;
-    /* Items: every (row, chunk). first[b] is row b's first item. */
+    /* first[b]: row b's first part slot (one per chunk it reaches); runs [run[u], run[u + 1]) */
     int64_t *first = malloc(sizeof(int64_t) * ((size_t)batch + 1));
-    if (!first) return -2;
-    first[0] = 0;
+    int *run = malloc(sizeof(int) * ((size_t)batch + 1));
+    int64_t *ifirst = malloc(sizeof(int64_t) * ((size_t)batch + 1)); /* run u's first item */
+    if (!first || !run || !ifirst) {
+        free(first), free(run), free(ifirst);
+        return -2;
+    }
+    first[0] = 0, ifirst[0] = 0;
+    int runs = 0, longest = 1;
     for (int b = 0; b < batch; b++) {
         const int len = seq_lens[b] > 0 ? seq_lens[b] : 0;
         first[b + 1] = first[b] + (len + CHUNK - 1) / CHUNK;
+        if (b == 0 || row_table(a, b) != row_table(a, b - 1)) run[runs++] = b;
     }
-    const int64_t items = first[batch];
-    const size_t part = (size_t)heads * ((size_t)dim + 2); /* acc, m, l of one item */
-    float *parts = malloc(sizeof(float) * part * (size_t)(items > 0 ? items : 1));
+    run[runs] = batch;
+    for (int u = 0; u < runs; u++) {
+        int chunks = 0;
+        for (int b = run[u]; b < run[u + 1]; b++) {
+            const int c = (int)(first[b + 1] - first[b]);
+            chunks = c > chunks ? c : chunks;
+        }
+        ifirst[u + 1] = ifirst[u] + chunks;
+        longest = run[u + 1] - run[u] > longest ? run[u + 1] - run[u] : longest;
+    }
+    const int64_t items = ifirst[runs], slots = first[batch];
+    const size_t part = (size_t)heads * ((size_t)dim + 2); /* acc, m, l of one row and chunk */
+    float *parts = malloc(sizeof(float) * part * (size_t)(slots > 0 ? slots : 1));
     int *owner = malloc(sizeof(int) * (size_t)(items > 0 ? items : 1));
     if (!parts || !owner) {
-        free(first), free(parts), free(owner);
+        free(first), free(run), free(ifirst), free(parts), free(owner);
         return -2;
     }
-    for (int b = 0; b < batch; b++)
-        for (int64_t i = first[b]; i < first[b + 1]; i++) owner[i] = b;
+    for (int u = 0; u < runs; u++)
+        for (int64_t i = ifirst[u]; i < ifirst[u + 1]; i++) owner[i] = u;
     const int split = items < num_threads ? a->kv_heads : 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = malloc(sizeof(float) * ((size_t)heads * (CHUNK + (size_t)dim) + part));
+        const size_t attend = attend_scratch_floats(a, longest);
+        float *scratch = malloc(sizeof(float) * (attend + part * (size_t)longest) +
+                                sizeof(int) * 2 * (size_t)longest);
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -413,11 +330,29 @@ static int attention_split(const Args *a, int batch, int num_threads) {
         for (int64_t j = 0; j < items * split; j++) {
             if (!scratch) continue;
             const int64_t i = j / split;
-            const int b = owner[i], kh0 = split == 1 ? 0 : (int)(j % split);
+            const int u = owner[i], kh0 = split == 1 ? 0 : (int)(j % split);
             const int kh1 = split == 1 ? a->kv_heads : kh0 + 1;
-            const int t0 = (int)(i - first[b]) * CHUNK;
-            const int n = seq_lens[b] - t0 < CHUNK ? seq_lens[b] - t0 : CHUNK;
-            attend_rows(a, &b, &n, 1, kh0, kh1, t0, scratch, parts + part * (size_t)i);
+            const int c = (int)(i - ifirst[u]), t0 = c * CHUNK;
+            int *group = (int *)(scratch + attend + part * (size_t)longest), *ns = group + longest;
+            int R = 0;
+            for (int b = run[u]; b < run[u + 1]; b++)
+                if (seq_lens[b] > t0) {
+                    group[R] = b;
+                    ns[R++] = seq_lens[b] - t0 < CHUNK ? seq_lens[b] - t0 : CHUNK;
+                }
+            if (R == 0) continue;
+            float *got = scratch + attend;
+            attend_rows(a, group, ns, R, kh0, kh1, t0, scratch, got);
+            for (int r = 0; r < R; r++) { /* this item's heads of each row's slot for chunk c */
+                const float *src = got + part * (size_t)r;
+                float *dst = parts + part * (size_t)(first[group[r]] + c);
+                const size_t h0 = (size_t)kh0 * G, h1 = (size_t)kh1 * G;
+                memcpy(dst + h0 * dim, src + h0 * dim, sizeof(float) * (h1 - h0) * dim);
+                for (int e = 0; e < 2; e++) {
+                    const size_t at = (size_t)heads * dim + (size_t)e * heads;
+                    memcpy(dst + at + h0, src + at + h0, sizeof(float) * (h1 - h0));
+                }
+            }
         }
 #pragma omp for schedule(static)
         for (int b = 0; b < batch; b++) {
@@ -434,7 +369,7 @@ static int attention_split(const Args *a, int batch, int num_threads) {
         }
         free(scratch);
     }
-    free(first), free(parts), free(owner);
+    free(first), free(run), free(ifirst), free(parts), free(owner);
     return failed ? -2 : 0;
 }
 
@@ -463,9 +398,8 @@ int engine_decode_attention(int dt, int kdt, const void *q, const void *k_cache,
     const Args a = {dt, kdt, heads, kv_heads, dim, block_size, q, k_cache, v_cache, out,
                     block_tables, seq_lens, row_tables, sq_b, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s,
                     sv_h, so_b, so_h, s_bt, scale};
-    /* row blocks where there are enough of them for the team (a prefill chunk), else items of
-       (row, chunk): a decode batch of 16 is one block, which split by KV heads balanced badly */
-    if (batch >= 2 * ROW_BLOCK_ROWS * num_threads)
-        return attention_row_blocks(&a, batch, num_threads);
+    /* row blocks for many rows (a prefill chunk), else items of (run, chunk): a decode batch
+       of 16 as one block, split by KV heads, balanced badly */
+    if (batch >= ROW_BLOCKS_FROM) return attention_row_blocks(&a, batch, num_threads);
     return attention_split(&a, batch, num_threads);
 }

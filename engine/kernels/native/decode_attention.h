@@ -1,6 +1,6 @@
-/* What decode_attention.c and its vector paths (decode_attention_avx512.h,
-   decode_attention_avx2.h) share: the work item's limits, the vector path this build compiles in
-   (ATTN_PATH), the arguments of a call (Args) and where a token's K or V row lies. */
+/* What decode_attention.c and attention_tiles.h share: the work item's limits, the vector path
+   this build compiles in (ATTN_PATH), the arguments of a call (Args) and where a token's K or V
+   row lies. */
 
 #ifndef ENGINE_NATIVE_DECODE_ATTENTION_H
 #define ENGINE_NATIVE_DECODE_ATTENTION_H

@@ -285,7 +285,8 @@ static void gemm_packed_rows(int wt, const float *x, int64_t ldx, int64_t M, int
 #endif
 #endif
 
-static void gemm_packed(int wt, const float *x, int64_t ldx, int64_t M, int64_t K,
+static __attribute__((unused)) void gemm_packed(int wt, const float *x, int64_t ldx, int64_t M,
+                                                int64_t K,
                         const void *wp, int64_t N, float *y, int64_t ldy, int threads) {
     const int64_t rest = M % GEMM_MR;
     if (M <= 2 || M > GEMM_PAD_ROWS || rest == 0 || N <= 0 || K <= 0) {
