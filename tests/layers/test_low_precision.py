@@ -98,7 +98,8 @@ def test_top1_agreement_with_float32_and_chat_answers(reference, dtype, kw, min_
     # Teacher-forced one token at a time: decode steps, run by the C layers where they build and
     # pay (int8 weights on any CPU, bf16 weights where the row dots have AVX-512 or AVX2 paths).
     pays = "quantization" in kw or cpu_isa.this_cpu().c_float_row_dots
-    if "weight_dtype" in kw and native.compiler() is not None and not llm.engine.config.deterministic:
+    deterministic = llm.engine.config.deterministic
+    if "weight_dtype" in kw and native.compiler() is not None and not deterministic:
         # not where the row dots are AVX512-BF16's, which round float32 rows to bf16 (in the
         # deterministic default every step takes the fixed-order GEMM, which widens exactly)
         pays = pays and native.row_dot_paths()["bf16"] != "avx512bf16"
