@@ -42,8 +42,33 @@ def gemm_ref(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return acc
 
 
+def gemm_ref_bf16(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The chain of a step in bf16 (x and the weights bf16) on a CPU with AVX512-BF16 (gemm.h
+    gemm_packed_bf16): per output, from zero, for each pair of k (zero past K) the odd product
+    added, then the even one, each sum rounded to float32 (vdpbf16ps; the products of two bf16
+    values are exact in float32), results below float32's normal range flushed to zero."""
+    check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16,))
+    check_tensor("packed", packed, ndim=3, dtypes=(torch.bfloat16,))
+    k = x.shape[1]
+    w = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n].float()  # [n, K]
+    xf = x.float()
+    if k % 2:
+        w, xf = torch.nn.functional.pad(w, (0, 1)), torch.nn.functional.pad(xf, (0, 1))
+    tiny = torch.finfo(torch.float32).tiny
+
+    def ftz(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(t.abs() < tiny, torch.zeros_like(t), t)
+
+    acc = torch.zeros(x.shape[0], n, dtype=torch.float32)
+    for i in range(0, xf.shape[1], 2):
+        acc = ftz(acc + xf[:, i + 1, None] * w[None, :, i + 1])
+        acc = ftz(acc + xf[:, i, None] * w[None, :, i])
+    return acc
+
+
 def gemm_native(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Same contract as gemm_ref, by the C kernel (CPU tensors)."""
+    """Same contract as gemm_ref, by the C kernel (CPU tensors); x and the weights both bf16 on a
+    CPU with AVX512-BF16 (native.gemm_path() "avx512bf16"): gemm_ref_bf16's."""
     from engine.kernels import native
 
     check_tensor("x", x, ndim=2, dtypes=_FLOATS, last_contiguous=True)

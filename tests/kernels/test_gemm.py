@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.kernels import native
-from engine.kernels.gemm import PANEL, gemm_native, gemm_ref, pack_panels
+from engine.kernels.gemm import PANEL, gemm_native, gemm_ref, gemm_ref_bf16, pack_panels
 
 needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 WEIGHTS = [torch.float32, torch.bfloat16, torch.float16]
@@ -130,3 +130,22 @@ def test_every_class_gives_the_same_bits(tmp_path, march, path):
     )  # fmt: skip
     assert rc == 0
     assert torch.equal(y, gemm_native(x, p, 37))
+
+
+needs_bf16_chain = pytest.mark.skipif(
+    native.compiler() is None or native.gemm_path() != "avx512bf16",
+    reason="bf16 steps take vdpbf16ps' chain only where the build has AVX512-BF16",
+)
+
+
+@needs_bf16_chain
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 25, 100])
+@pytest.mark.parametrize("k", [45, 64])  # odd K: the last pair's second half is zero
+def test_bf16_steps_take_the_avx512bf16_chain_bit_for_bit(rows, k):
+    x, w = inputs(37, k, rows, torch.bfloat16, torch.bfloat16)
+    p = pack_panels(w)
+    got = gemm_native(x, p, 37)
+    assert torch.equal(got, gemm_ref_bf16(x, p, 37))
+    assert not torch.equal(got, gemm_native(x.float(), p, 37))  # not the FMA chain's bits
+    bound = (x.double().abs() @ w.double().abs().T) * k * 2.0**-24 + 1e-30
+    assert ((got.double() - x.double() @ w.double().T).abs() <= bound).all()

@@ -190,7 +190,7 @@ static int project_rows(int dt, const Proj *p, const float *x, int rows, float *
 static int project(int dt, const Proj *p, const float *x, int rows, float *y, int threads) {
     const int64_t N = p->n, K = p->k;
     if (p->panels && p->wt != W_I8) {
-        gemm_packed(p->wt, x, K, rows, K, p->panels, N, y, N, threads);
+        gemm_packed(p->wt, x, K, rows, K, p->panels, N, y, N, threads, dt == DT_BF16);
         if (dt == DT_F32 && !p->bias) return 0;
         for (int64_t i = 0; i < (int64_t)rows * N; i++) {
             float v = rnd(dt, y[i]);

@@ -27,7 +27,7 @@ int engine_gemm(int dt, int wt, const void *x, const void *wp, float *y, int64_t
             for (int64_t k = 0; k < K; k++) buf[m * K + k] = load_f32(dt, x, m * sx + k);
         xf = buf, ldx = K;
     }
-    gemm_packed(wt, xf, ldx, M, K, wp, N, y, sy, num_threads);
+    gemm_packed(wt, xf, ldx, M, K, wp, N, y, sy, num_threads, dt == DT_BF16);
     free(buf);
     return 0;
 }

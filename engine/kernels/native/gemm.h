@@ -33,12 +33,21 @@
 
 #if defined(GEMV_AVX2) && defined(__AVX512F__)
 #define GEMM_AVX512 1
+#if defined(__AVX512BF16__)
+#define GEMM_PATH "avx512bf16" /* the FMA tiles, and bf16 steps' own chain (gemm_packed_bf16) */
+#else
 #define GEMM_PATH "avx512"
+#endif
 #elif defined(GEMV_AVX2)
 #define GEMM_AVX2 1
 #define GEMM_PATH "avx2"
 #else
 #define GEMM_PATH "c"
+#endif
+
+#if defined(GEMM_AVX512) && defined(__AVX512BF16__)
+/* bf16 weights times bf16-valued activations: pairs of k per vdpbf16ps (gemm_tile_bf16) */
+#define GEMM_BF16DOT 1
 #endif
 
 #define GEMM_NR 16 /* weight rows per panel: two 8-lane registers, or one 16-lane one */
@@ -271,6 +280,165 @@ static void gemm_packed_rows(int wt, const float *x, int64_t ldx, int64_t M, int
     }
 }
 
+#if defined(GEMM_BF16DOT)
+/* The AVX512-BF16 chain (bf16 weights, activations that are bf16 values): every output is
+       acc = vdpbf16ps(acc, (x[2i], x[2i+1]), (w[2i], w[2i+1]))   for i = 0, 1, ..., ceil(K/2)-1
+   from zero (the products are exact in float32; the instruction's sums round to float32,
+   denormals flushed), x and w zero past K. One chain per lane whatever the tile, the rows or the
+   thread, as the FMA chain above; its own bits (not the FMA chain's), so a CPU with AVX512-BF16
+   agrees with itself, not with the AVX2 class, on steps in bf16. Operands: xb the rows in
+   bf16, ldx (even) apart; pp NP panels of K2 pairs x 16 columns (gemm_pairs), pstride bytes
+   apart. */
+static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t *xb, int64_t ldx,
+                                                                 int R, int NP, const char *pp,
+                                                                 int64_t pstride, int64_t K2,
+                                                                 float *y, int64_t ldy, int cols,
+                                                                 int64_t K) {
+    __m512 acc[GEMM_MR][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    /* K > 0: pp holds plain panels ([K][16] bf16, a few rows' step: the pairs are formed in
+       registers as the weights stream, vpermt2w interleaving rows 2i and 2i+1) */
+    const __m512i mix = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                         8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (int64_t i = 0; i < K2; i++) {
+        __m512bh b[2];
+        for (int c = 0; c < NP; c++) {
+            if (K) {
+                const uint16_t *w = (const uint16_t *)(pp + c * pstride) + 2 * i * GEMM_NR;
+                if ((i & 1) == 0) __builtin_prefetch((const char *)w + GEMM_PF_BYTES, 0, 0);
+                const __m256i lo = _mm256_loadu_si256((const __m256i *)w);
+                const __m256i hi = 2 * i + 1 < K ? _mm256_loadu_si256((const __m256i *)(w + GEMM_NR))
+                                                 : _mm256_setzero_si256();
+                b[c] = (__m512bh)_mm512_permutex2var_epi16(_mm512_castsi256_si512(lo), mix,
+                                                           _mm512_castsi256_si512(hi));
+            } else {
+                b[c] = (__m512bh)_mm512_loadu_si512((const void *)(pp + c * pstride + i * 64));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, xb + r * ldx + 2 * i, sizeof pair);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < NP; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
+        }
+    }
+    for (int c = 0; c < NP; c++) {
+        const int left = cols - c * GEMM_NR;
+        const __mmask16 m = left >= GEMM_NR ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy + c * GEMM_NR, m, acc[r][c]);
+    }
+}
+
+/* Rows [0, M) in tiles of GEMM_MR (the last smaller) against NP pair panels. */
+static inline __attribute__((always_inline)) void gemm_rows_bf16(const uint16_t *xb, int64_t ldx,
+                                                                 int64_t M, int NP,
+                                                                 const char *pp, int64_t pstride,
+                                                                 int64_t K2, float *y,
+                                                                 int64_t ldy, int cols,
+                                                                 int64_t K) {
+    int64_t m = 0;
+    for (; m + GEMM_MR <= M; m += GEMM_MR)
+        gemm_tile_bf16(xb + m * ldx, ldx, GEMM_MR, NP, pp, pstride, K2, y + m * ldy, ldy, cols,
+                       K);
+#define GEMM_REST(R) \
+    gemm_tile_bf16(xb + m * ldx, ldx, R, NP, pp, pstride, K2, y + m * ldy, ldy, cols, K)
+    switch (M - m) {
+    case 1: GEMM_REST(1); break;
+    case 2: GEMM_REST(2); break;
+    case 3: GEMM_REST(3); break;
+    case 4: GEMM_REST(4); break;
+    case 5: GEMM_REST(5); break;
+    case 6: GEMM_REST(6); break;
+    case 7: GEMM_REST(7); break;
+    case 8: GEMM_REST(8); break;
+    case 9: GEMM_REST(9); break;
+    case 10: GEMM_REST(10); break;
+    case 11: GEMM_REST(11); break;
+    default: break;
+    }
+#undef GEMM_REST
+}
+
+/* One bf16 panel ([K][16]) as K2 = ceil(K/2) pairs of k for each column: out[i][j] = (w[2i][j],
+   w[2i+1][j]), 32 bf16 per i, zero past K. */
+static inline void gemm_pairs(const uint16_t *panel, int64_t K, uint16_t *out) {
+    for (int64_t i = 0; 2 * i < K; i++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(panel + 2 * i * GEMM_NR));
+        const __m256i b = 2 * i + 1 < K
+                              ? _mm256_loadu_si256((const __m256i *)(panel + (2 * i + 1) * GEMM_NR))
+                              : _mm256_setzero_si256();
+        const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+        _mm256_storeu_si256((__m256i *)(out + i * 32), _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256((__m256i *)(out + i * 32 + 16),
+                            _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+}
+
+/* gemm_packed_rows for bf16 panels and float32 rows x that hold bf16 values: the chain above.
+   Returns 0, or -1 without memory (nothing written). Work items as gemm_packed_rows'; each
+   thread turns an item's panels into pairs once for all its rows. */
+static int gemm_packed_bf16(const float *x, int64_t ldx, int64_t M, int64_t K, const void *wp,
+                            int64_t N, float *y, int64_t ldy, int threads) {
+    const int64_t K2 = (K + 1) / 2, ldb = 2 * K2;
+    const int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
+    const int64_t pstride = K * GEMM_NR * 2, qstride = K2 * 64; /* bytes per panel, pair panel */
+    const int64_t pgroups = (panels + GEMM_PANELS_PER_ITEM - 1) / GEMM_PANELS_PER_ITEM;
+    const int few = M <= GEMM_FEW_ROWS;
+    const int64_t mblocks = few ? 1 : (M + GEMM_MC - 1) / GEMM_MC;
+    const int64_t mc = few ? M : GEMM_MC;
+    StealRange steal_ranges_[STEAL_MAX_PARTS];
+    const int parts = steal_init(steal_ranges_, threads, pgroups * mblocks);
+    const size_t per = (size_t)(qstride * GEMM_PANELS_PER_ITEM);
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(M * ldb));
+    char *pairs = malloc(per * (size_t)(parts > 0 ? parts : 1));
+    if (!xb || !pairs) {
+        free(xb), free(pairs);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K; k++) xb[m * ldb + k] = f32_to_bf16(x[m * ldx + k]);
+        if (K % 2) xb[m * ldb + K] = 0;
+    }
+#pragma omp parallel num_threads(parts)
+    {
+        StealCursor cur = steal_cursor(parts);
+        char *pp = pairs + per * (size_t)cur.self;
+        int64_t have = -1;
+        for (int64_t item; (item = steal_next(steal_ranges_, &cur)) >= 0;) {
+            const int64_t g = item / mblocks, mb = item % mblocks;
+            const int64_t m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
+            const int64_t p0 = g * GEMM_PANELS_PER_ITEM;
+            const int np = panels - p0 < GEMM_PANELS_PER_ITEM ? (int)(panels - p0)
+                                                              : GEMM_PANELS_PER_ITEM;
+            const int64_t n0 = p0 * GEMM_NR;
+            const int cols = N - n0 < np * GEMM_NR ? (int)(N - n0) : np * GEMM_NR;
+            if (few) { /* the weights stream once: pairs formed in registers */
+                const char *panel = (const char *)wp + p0 * pstride;
+                if (np == 2)
+                    gemm_rows_bf16(xb, ldb, M, 2, panel, pstride, K2, y + n0, ldy, cols, K);
+                else
+                    gemm_rows_bf16(xb, ldb, M, 1, panel, pstride, K2, y + n0, ldy, cols, K);
+                continue;
+            }
+            if (have != p0) {
+                for (int c = 0; c < np; c++)
+                    gemm_pairs((const uint16_t *)((const char *)wp + (p0 + c) * pstride), K,
+                               (uint16_t *)(pp + c * qstride));
+                have = p0;
+            }
+            if (np == 2)
+                gemm_rows_bf16(xb + m0 * ldb, ldb, m1 - m0, 2, pp, qstride, K2,
+                               y + m0 * ldy + n0, ldy, cols, 0);
+            else
+                gemm_rows_bf16(xb + m0 * ldb, ldb, m1 - m0, 1, pp, qstride, K2,
+                               y + m0 * ldy + n0, ldy, cols, 0);
+        }
+    }
+    free(xb), free(pairs);
+    return 0;
+}
+#endif
+
 /* Rows up to which a row count that is not a multiple of GEMM_MR is padded with zero rows to one:
    a last tile of 1 to 5 rows streams (or reads) a whole panel for few FMAs, and measured on a
    2-core AVX2 EPYC a 1536x576 bf16 projection took 162 us at 3 rows, 121 us at 6, 218 us at 7
@@ -285,9 +453,19 @@ static void gemm_packed_rows(int wt, const float *x, int64_t ldx, int64_t M, int
 #endif
 #endif
 
+/* xbf: x holds bf16 values (a step in bf16), which on AVX512-BF16 takes that chain for bf16
+   weights (gemm_packed_bf16). */
 static __attribute__((unused)) void gemm_packed(int wt, const float *x, int64_t ldx, int64_t M,
-                                                int64_t K,
-                        const void *wp, int64_t N, float *y, int64_t ldy, int threads) {
+                                                int64_t K, const void *wp, int64_t N, float *y,
+                                                int64_t ldy, int threads, int xbf) {
+#if defined(GEMM_BF16DOT)
+    /* (without memory for it, the FMA chain: other bits, still one order per output) */
+    if (xbf && wt == DT_BF16 && M > 0 && N > 0 && K > 0 &&
+        gemm_packed_bf16(x, ldx, M, K, wp, N, y, ldy, threads) == 0)
+        return;
+#else
+    (void)xbf;
+#endif
     const int64_t rest = M % GEMM_MR;
     if (M <= 2 || M > GEMM_PAD_ROWS || rest == 0 || N <= 0 || K <= 0) {
         gemm_packed_rows(wt, x, ldx, M, K, wp, N, y, ldy, threads);
