@@ -6,11 +6,11 @@ that one, and this one is skipped, saying so.
 
     .venv/bin/python tests/cpu_paths.py [PYTEST ARGS...]
 
-PATHS is the one list of those tests: the kernels (C and Triton-interpreted against their torch
-references), the layers (bf16 and int8 against float32, the C decoder layers against the torch
-layers, float32 included: the default dtype there, whose decode steps the C layers serve with the
-AVX2 float32 row dots; the tiny models of each architecture against transformers) and the bf16
-cluster. Not the SmolLM2 parity tests (float32 against transformers, ~45 s): the tiny models
+PATHS is the one list of those tests: the kernels (the C ones and the torch references; not the
+Triton-interpreted ones, whose numerics do not follow the CPU class), the layers (bf16 and int8
+against float32, the C decoder layers against the torch layers, float32 included: the default
+dtype there, whose decode steps the C layers serve with the AVX2 float32 row dots; the tiny
+models of each architecture against transformers) and the bf16 cluster. Not the SmolLM2 parity tests (float32 against transformers, ~45 s): the tiny models
 run the same layers. And the engine's determinism (batch invariance of the C layers as the
 engine drives them: tests/kernels holds the GEMM's and the attention's own).
 """
@@ -25,7 +25,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PATHS = (
-    "tests/kernels",
+    # the C kernels and the torch references (not the Triton-interpreted kernels, whose numerics
+    # are the interpreter's whatever the CPU class)
+    "tests/kernels/test_attention_rows.py",
+    "tests/kernels/test_decode_attention.py",
+    "tests/kernels/test_float_matmul.py",
+    "tests/kernels/test_gemm.py",
+    "tests/kernels/test_int8_matmul.py",
+    "tests/kernels/test_kv_quant.py",
+    "tests/kernels/test_native.py",
+    "tests/kernels/test_native_steal.py",
+    "tests/kernels/test_native_structs.py",
+    "tests/kernels/test_prefill_attention.py",
     "tests/layers/test_low_precision.py",
     "tests/layers/test_quant.py",
     "tests/layers/test_native_decode.py",
