@@ -10,8 +10,8 @@ PATHS is the one list of those tests: the kernels (the C ones and the torch refe
 Triton-interpreted ones, whose numerics do not follow the CPU class), the layers (bf16 and int8
 against float32, the C decoder layers against the torch layers, float32 included: the default
 dtype there, whose decode steps the C layers serve with the AVX2 float32 row dots; the tiny
-models of each architecture against transformers) and the bf16 cluster. Not the SmolLM2 parity tests (float32 against transformers, ~45 s): the tiny models
-run the same layers. And the engine's determinism (batch invariance of the C layers as the
+models of each architecture against transformers) and the bf16 cluster. Not the SmolLM2
+parity tests (float32 against transformers, ~45 s): the tiny models run the same layers. And the engine's determinism (batch invariance of the C layers as the
 engine drives them: tests/kernels holds the GEMM's and the attention's own).
 """
 
