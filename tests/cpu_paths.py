@@ -11,8 +11,9 @@ Triton-interpreted ones, whose numerics do not follow the CPU class), the layers
 against float32, the C decoder layers against the torch layers, float32 included: the default
 dtype there, whose decode steps the C layers serve with the AVX2 float32 row dots; the tiny
 models of each architecture against transformers) and the bf16 cluster. Not the SmolLM2
-parity tests (float32 against transformers, ~45 s): the tiny models run the same layers. And the engine's determinism (batch invariance of the C layers as the
-engine drives them: tests/kernels holds the GEMM's and the attention's own).
+parity tests (float32 against transformers, ~45 s): the tiny models run the same layers. And
+the engine's determinism (batch invariance of the C layers as the engine drives them:
+tests/kernels holds the GEMM's and the attention's own).
 """
 
 from __future__ import annotations
