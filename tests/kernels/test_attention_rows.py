@@ -97,7 +97,7 @@ _CAPPED = """
 import sys, torch
 from test_attention_rows import rows, sequences
 from engine.kernels import native
-q, k, v, tables, seq, causal = sequences([600, 40], torch.bfloat16)
+q, k, v, tables, seq, causal = sequences([600, 40], torch.float32, kv_dtype=torch.bfloat16)
 out = [rows(q, k, v, tables, seq, causal, range(640)), rows(q, k, v, tables, seq, causal, [599])]
 torch.save({"path": native.attention_path(), "out": out}, sys.argv[1])
 """
@@ -106,6 +106,7 @@ torch.save({"path": native.attention_path(), "out": out}, sys.argv[1])
 def test_the_avx2_class_gives_this_cpus_bits(tmp_path):
     # the chunk is two fixed-order GEMMs (gemm.h: one chain per output on every class) around
     # one softmax: a CPU capped to the AVX2 class computes the same bits as this one's build
+    # (float32 queries over a bf16 cache: a bf16 step on AVX512-BF16 has its own chain)
     import os
     import subprocess
     import sys
@@ -123,6 +124,6 @@ def test_the_avx2_class_gives_this_cpus_bits(tmp_path):
                    check=True, timeout=300)  # fmt: skip
     capped = torch.load(tmp_path / "capped.pt")
     assert capped["path"] == "avx2" and native.attention_path() != "avx2"
-    q, k, v, tables, seq, causal = sequences([600, 40], torch.bfloat16)
+    q, k, v, tables, seq, causal = sequences([600, 40], torch.float32, kv_dtype=torch.bfloat16)
     assert torch.equal(capped["out"][0], rows(q, k, v, tables, seq, causal, range(640)))
     assert torch.equal(capped["out"][1], rows(q, k, v, tables, seq, causal, [599]))

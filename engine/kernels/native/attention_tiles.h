@@ -201,6 +201,55 @@ static inline void tiles_gemm(const float *x, int64_t ldx, int M, const float *p
     }
 }
 
+#if defined(GEMM_BF16DOT)
+/* A step in bf16 over a bf16 cache on AVX512-BF16: the scores as gemm.h's vdpbf16ps chain
+   (pairs of dims), the query unscaled (its bf16 values) and each score times the scale after:
+   one order for every row, prefill or decode. K panels of pairs: kq[p][i][j] = dims (2i, 2i+1)
+   of key 16p + j as they lie in the cache (32-bit words, transposed 8 x 8 in registers). */
+static inline int tiles_bf16_scores(const Args *a) {
+    return a->dt == DT_BF16 && a->kdt == DT_BF16 && a->dim % 16 == 0;
+}
+
+static inline void tiles_scores_bf16(const Args *a, const int *rows, int R, int kh,
+                                     const int64_t *offs, int n, uint16_t *qb, uint32_t *kq,
+                                     float *s) {
+    const int D = a->dim, G = a->heads / a->kv_heads, M = R * G, W = D / 2;
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const int64_t off = (int64_t)rows[r] * a->sq_b + (int64_t)(kh * G + g) * a->sq_h;
+            memcpy(qb + (size_t)(r * G + g) * D, (const uint16_t *)a->q + off,
+                   sizeof(uint16_t) * (size_t)D);
+        }
+    const int n16 = tiles_round16(n);
+    for (int j0 = 0; j0 < n16; j0 += 8) {
+        uint32_t *dst = kq + (size_t)(j0 / TILE_KEYS) * W * TILE_KEYS + j0 % TILE_KEYS;
+        for (int w0 = 0; w0 < W; w0 += 8) {
+            __m256 r8[8];
+            for (int i = 0; i < 8; i++)
+                r8[i] = j0 + i < n ? _mm256_loadu_ps((const float *)((const uint16_t *)a->k +
+                                                                     offs[j0 + i] + 2 * w0))
+                                   : _mm256_setzero_ps();
+            tiles_transpose8(r8); /* 32-bit words moved as they are: exact */
+            for (int i = 0; i < 8; i++)
+                _mm256_storeu_ps((float *)(dst + (size_t)(w0 + i) * TILE_KEYS), r8[i]);
+        }
+    }
+    const int64_t pstride = (int64_t)W * TILE_KEYS * 4; /* bytes per pair panel */
+    const int panels = n16 / TILE_KEYS;
+    for (int c = 0; c < panels; c += 2) {
+        const int np = panels - c < 2 ? panels - c : 2, left = n - c * TILE_KEYS;
+        const int cols = left < np * TILE_KEYS ? left : np * TILE_KEYS;
+        const char *pp = (const char *)kq + (size_t)c * pstride;
+        if (np == 2)
+            gemm_rows_bf16(qb, D, M, 2, pp, pstride, W, s + c * TILE_KEYS, CHUNK, cols, 0);
+        else
+            gemm_rows_bf16(qb, D, M, 1, pp, pstride, W, s + c * TILE_KEYS, CHUNK, cols, 0);
+    }
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < n; j++) s[(size_t)m * CHUNK + j] *= a->scale;
+}
+#endif
+
 /* Query rows rows[0..R) of one sequence (block table row `table`), the G query heads of KV head
    kh, over the chunk at t0: row r over its first ns[r] keys. Row r's part (acc [heads, dim],
    m [heads], l [heads]) for those heads at parts + r * part. scratch: tiles_scratch_floats. */
@@ -216,16 +265,26 @@ static inline void tiles_chunk(const Args *a, const int32_t *table, const int *r
     float *vp = kp + (size_t)CHUNK * D, *o = vp + (size_t)CHUNK * D16;
     int64_t offs[CHUNK];
     float ksc[CHUNK], vsc[CHUNK];
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) {
-            float *qh = q + (size_t)(r * G + g) * D;
-            const int64_t off = (int64_t)rows[r] * a->sq_b + (int64_t)(kh * G + g) * a->sq_h;
-            for (int d = 0; d < D; d++) qh[d] = load_f32(a->dt, a->q, off + d) * a->scale;
-        }
     const int q8 = a->kdt == DT_I8;
     tiles_offsets(table, a->block_size, a->sk_b, a->sk_s, a->sk_h, kh, t0, n, offs);
-    tiles_pack_keys(a->kdt, a->k, offs, n, D, kp, ksc);
-    tiles_gemm(q, D, M, kp, (int64_t)D * TILE_KEYS, tiles_round16(n) / TILE_KEYS, D, s, CHUNK, n);
+#if defined(GEMM_BF16DOT)
+    const int bf16 = tiles_bf16_scores(a);
+    if (bf16) /* q's bf16 values in q's place, the pair panels in kp's (each half the size) */
+        tiles_scores_bf16(a, rows, R, kh, offs, n, (uint16_t *)q, (uint32_t *)kp, s);
+#else
+    const int bf16 = 0;
+#endif
+    if (!bf16) {
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) {
+                float *qh = q + (size_t)(r * G + g) * D;
+                const int64_t off = (int64_t)rows[r] * a->sq_b + (int64_t)(kh * G + g) * a->sq_h;
+                for (int d = 0; d < D; d++) qh[d] = load_f32(a->dt, a->q, off + d) * a->scale;
+            }
+        tiles_pack_keys(a->kdt, a->k, offs, n, D, kp, ksc);
+        tiles_gemm(q, D, M, kp, (int64_t)D * TILE_KEYS, tiles_round16(n) / TILE_KEYS, D, s, CHUNK,
+                   n);
+    }
     tiles_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, n, offs);
     tiles_pack_values(a->kdt, a->v, offs, n, D, vp, vsc);
     for (int r = 0; r < R; r++)
