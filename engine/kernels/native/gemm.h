@@ -66,17 +66,19 @@
 static inline int64_t gemm_esize(int wt) { return wt == DT_F32 ? 4 : 2; }
 
 #if defined(GEMM_AVX512)
-/* 16 weights from element k of a panel (16-bit or float32 codes), as float32: exact. */
-static inline __attribute__((always_inline)) __m512 gemm_widen16(int wt, const void *w,
-                                                                 int64_t k) {
-    if (wt == DT_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k))),
-            16));
-    if (wt == DT_F16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
-    return _mm512_loadu_ps((const float *)w + k);
-}
+/* The cases of a last tile of 1 to 11 rows (AVX-512 tiles), each a call with R constant. */
+#define GEMM_REST_CASES_11                                                                     \
+    case 1: GEMM_REST(1); break;                                                               \
+    case 2: GEMM_REST(2); break;                                                               \
+    case 3: GEMM_REST(3); break;                                                               \
+    case 4: GEMM_REST(4); break;                                                               \
+    case 5: GEMM_REST(5); break;                                                               \
+    case 6: GEMM_REST(6); break;                                                               \
+    case 7: GEMM_REST(7); break;                                                               \
+    case 8: GEMM_REST(8); break;                                                               \
+    case 9: GEMM_REST(9); break;                                                               \
+    case 10: GEMM_REST(10); break;                                                             \
+    case 11: GEMM_REST(11); break;
 
 /* The AVX-512 tile: R rows (<= GEMM_MR) against NP (1 or 2) panels, the second pstride bytes
    after the first; y's columns [0, cols), cols <= NP * GEMM_NR. One 16-lane accumulator per row
@@ -95,7 +97,7 @@ static inline __attribute__((always_inline)) void gemm_tile512(int wt, const flo
         for (int c = 0; c < NP; c++) {
             if (pf && (k & 1) == 0)
                 __builtin_prefetch(panel + c * pstride + k * row + GEMM_PF_BYTES, 0, 0);
-            b[c] = gemm_widen16(wt, panel + c * pstride, k * GEMM_NR);
+            b[c] = widen16_w(wt, panel + c * pstride, k * GEMM_NR);
         }
         for (int r = 0; r < R; r++) {
             const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
@@ -121,20 +123,7 @@ static inline __attribute__((always_inline)) void gemm_rows512(int wt, const flo
                      cols, pf);
 #define GEMM_REST(R) \
     gemm_tile512(wt, x + m * ldx, ldx, R, NP, panel, pstride, K, y + m * ldy, ldy, cols, pf)
-    switch (M - m) {
-    case 1: GEMM_REST(1); break;
-    case 2: GEMM_REST(2); break;
-    case 3: GEMM_REST(3); break;
-    case 4: GEMM_REST(4); break;
-    case 5: GEMM_REST(5); break;
-    case 6: GEMM_REST(6); break;
-    case 7: GEMM_REST(7); break;
-    case 8: GEMM_REST(8); break;
-    case 9: GEMM_REST(9); break;
-    case 10: GEMM_REST(10); break;
-    case 11: GEMM_REST(11); break;
-    default: break;
-    }
+    switch (M - m) { GEMM_REST_CASES_11 default: break; }
 #undef GEMM_REST
 }
 #endif
@@ -342,20 +331,7 @@ static inline __attribute__((always_inline)) void gemm_rows_bf16(const uint16_t 
                        K);
 #define GEMM_REST(R) \
     gemm_tile_bf16(xb + m * ldx, ldx, R, NP, pp, pstride, K2, y + m * ldy, ldy, cols, K)
-    switch (M - m) {
-    case 1: GEMM_REST(1); break;
-    case 2: GEMM_REST(2); break;
-    case 3: GEMM_REST(3); break;
-    case 4: GEMM_REST(4); break;
-    case 5: GEMM_REST(5); break;
-    case 6: GEMM_REST(6); break;
-    case 7: GEMM_REST(7); break;
-    case 8: GEMM_REST(8); break;
-    case 9: GEMM_REST(9); break;
-    case 10: GEMM_REST(10); break;
-    case 11: GEMM_REST(11); break;
-    default: break;
-    }
+    switch (M - m) { GEMM_REST_CASES_11 default: break; }
 #undef GEMM_REST
 }
 

@@ -21,18 +21,6 @@
 #include "gemv_acts.h"
 #include "gemv_avx2.h"
 
-#if defined(__AVX512F__)
-/* 16 weights from element k of w (16-bit or float32 codes), as float32. */
-static inline __attribute__((always_inline)) __m512 widen16_w(int wt, const void *w, int64_t k) {
-    if (wt == DT_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k))),
-            16));
-    if (wt == DT_F16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
-    return _mm512_loadu_ps((const float *)w + k);
-}
-#endif
 
 /* Float weights (W_I8 excluded) against float32 activations: FMAs after widening. */
 static inline __attribute__((always_inline)) void dots_float(int wt, const Acts *a, int rows,

@@ -29,6 +29,19 @@ static inline __attribute__((always_inline)) __m256 widen8_w(int wt, const void 
 }
 #endif
 
+#if defined(__AVX512F__)
+/* 16 weights from element k of w (16-bit or float32 codes), as float32. */
+static inline __attribute__((always_inline)) __m512 widen16_w(int wt, const void *w, int64_t k) {
+    if (wt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k))),
+            16));
+    if (wt == DT_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
+    return _mm512_loadu_ps((const float *)w + k);
+}
+#endif
+
 #if defined(GEMV_AVX2)
 /* The sum of the 16 lanes (lo: 0-7, hi: 8-15) of one AVX-512 register, added in the order of
    gcc's _mm512_reduce_add_ps: halves, quarters, then lanes {0, 2} and {1, 3}. */
