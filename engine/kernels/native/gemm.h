@@ -216,6 +216,25 @@ static void gemm_rows_wt(int wt, const float *x, int64_t ldx, int64_t M, const c
 #undef GEMM_WT
 }
 
+/* A work item of the packed GEMMs: rows [m0, m1) against the np panels from p0 (columns from
+   n0, cols of them). Items run panel group major, mblocks row blocks of mc rows each. */
+typedef struct {
+    int64_t m0, m1, p0, n0;
+    int np, cols;
+} GemmItem;
+
+static inline GemmItem gemm_item(int64_t item, int64_t mblocks, int64_t mc, int64_t M,
+                                 int64_t panels, int64_t N) {
+    GemmItem it;
+    const int64_t g = item / mblocks, mb = item % mblocks;
+    it.m0 = mb * mc, it.m1 = it.m0 + mc < M ? it.m0 + mc : M;
+    it.p0 = g * GEMM_PANELS_PER_ITEM;
+    it.np = panels - it.p0 < GEMM_PANELS_PER_ITEM ? (int)(panels - it.p0) : GEMM_PANELS_PER_ITEM;
+    it.n0 = it.p0 * GEMM_NR;
+    it.cols = N - it.n0 < it.np * GEMM_NR ? (int)(N - it.n0) : it.np * GEMM_NR;
+    return it;
+}
+
 /* y[m * ldy + n] = sum_k x[m * ldx + k] * W[n][k] in the one order above, for m < M, n < N;
    wp W's panels (weight code wt, a float code), x float32. Work items: at a few rows, a few
    panels for every row (the weights stream once, widened in registers); beyond, GEMM_MC rows
@@ -244,13 +263,9 @@ static void gemm_packed_rows(int wt, const float *x, int64_t ldx, int64_t M, int
         const int64_t wstride = (int64_t)sizeof(float) * K * GEMM_NR; /* bytes per wide panel */
         int64_t wide_panel = -1;
         for (int64_t item; (item = steal_next(steal_ranges_, &cur)) >= 0;) {
-            const int64_t g = item / mblocks, mb = item % mblocks;
-            const int64_t m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
-            const int64_t p0 = g * GEMM_PANELS_PER_ITEM;
-            const int np = panels - p0 < GEMM_PANELS_PER_ITEM ? (int)(panels - p0)
-                                                              : GEMM_PANELS_PER_ITEM;
-            const int64_t n0 = p0 * GEMM_NR;
-            const int cols = N - n0 < np * GEMM_NR ? (int)(N - n0) : np * GEMM_NR;
+            const GemmItem it = gemm_item(item, mblocks, mc, M, panels, N);
+            const int64_t m0 = it.m0, m1 = it.m1, p0 = it.p0, n0 = it.n0;
+            const int np = it.np, cols = it.cols;
             const char *panel = (const char *)wp + p0 * pstride;
             if (wide) {
                 if (wide_panel != p0) {
@@ -381,13 +396,9 @@ static int gemm_packed_bf16(const float *x, int64_t ldx, int64_t M, int64_t K, c
         char *pp = pairs + per * (size_t)cur.self;
         int64_t have = -1;
         for (int64_t item; (item = steal_next(steal_ranges_, &cur)) >= 0;) {
-            const int64_t g = item / mblocks, mb = item % mblocks;
-            const int64_t m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
-            const int64_t p0 = g * GEMM_PANELS_PER_ITEM;
-            const int np = panels - p0 < GEMM_PANELS_PER_ITEM ? (int)(panels - p0)
-                                                              : GEMM_PANELS_PER_ITEM;
-            const int64_t n0 = p0 * GEMM_NR;
-            const int cols = N - n0 < np * GEMM_NR ? (int)(N - n0) : np * GEMM_NR;
+            const GemmItem it = gemm_item(item, mblocks, mc, M, panels, N);
+            const int64_t m0 = it.m0, m1 = it.m1, p0 = it.p0, n0 = it.n0;
+            const int np = it.np, cols = it.cols;
             if (few) { /* the weights stream once: pairs formed in registers */
                 const char *panel = (const char *)wp + p0 * pstride;
                 if (np == 2)
