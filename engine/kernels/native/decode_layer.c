@@ -180,6 +180,17 @@ static inline float rnd(int dt, float f) {
     return f;
 }
 
+/* y[i] = rnd(DT_BF16, y[i]) for i < n: f32_to_bf16's rounding (to nearest, ties to even; a NaN
+   to the quiet NaN) without branches, so that it vectorises: the same bits. */
+static void round_bf16(float *y, int64_t n) {
+    uint32_t *u = (uint32_t *)y;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t v = u[i];
+        const uint32_t r = (v + 0x7fffu + ((v >> 16) & 1u)) & 0xffff0000u;
+        u[i] = (v & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : r;
+    }
+}
+
 /* y[m * n + j] = rnd(x[m] . w[j] * scale[j]) (+ bias, rounded again) for m < rows. Returns 0 or
    -2 without memory. */
 static int project_rows(int dt, const Proj *p, const float *x, int rows, float *y, int threads);
@@ -192,6 +203,11 @@ static int project(int dt, const Proj *p, const float *x, int rows, float *y, in
     if (p->panels && p->wt != W_I8) {
         gemm_packed(p->wt, x, K, rows, K, p->panels, N, y, N, threads, dt == DT_BF16);
         if (dt == DT_F32 && !p->bias) return 0;
+        if (dt == DT_BF16 && !p->bias) { /* rnd, branch-free (it vectorises), rows in parallel */
+            const int R = rows, th = threads;
+            ROWS(round_bf16(y + (int64_t)m * N, N));
+            return 0;
+        }
         for (int64_t i = 0; i < (int64_t)rows * N; i++) {
             float v = rnd(dt, y[i]);
             if (p->bias) v = rnd(dt, v + load_f32(dt, p->bias, i % N));
