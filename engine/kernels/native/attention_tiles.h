@@ -138,17 +138,24 @@ static inline __attribute__((always_inline)) void tiles_pack_values8(int kdt, co
 }
 #endif
 
+/* fn(kdt, ...) with kdt a constant in each case (inlined: one specialised loop per dtype). */
+#define TILES_BY_KDT(fn, ...)                                                                   \
+    do {                                                                                        \
+        switch (kdt) {                                                                          \
+        case DT_BF16: fn(DT_BF16, __VA_ARGS__); break;                                          \
+        case DT_F16: fn(DT_F16, __VA_ARGS__); break;                                            \
+        case DT_I8: fn(DT_I8, __VA_ARGS__); break;                                              \
+        default: fn(DT_F32, __VA_ARGS__); break;                                                \
+        }                                                                                       \
+    } while (0)
+
 /* K panels: kp[p][d][j] = K[16p + j][d] for the n keys, zero past n to the panel's end. */
 static inline void tiles_pack_keys(int kdt, const void *cache, const int64_t *offs, int n, int D,
                                    float *kp, float *sc) {
 #if defined(GEMV_AVX2)
     if (D % 8 == 0) {
-        switch (kdt) {
-        case DT_BF16: tiles_pack_keys8(DT_BF16, cache, offs, n, D, kp, sc); return;
-        case DT_F16: tiles_pack_keys8(DT_F16, cache, offs, n, D, kp, sc); return;
-        case DT_I8: tiles_pack_keys8(DT_I8, cache, offs, n, D, kp, sc); return;
-        default: tiles_pack_keys8(DT_F32, cache, offs, n, D, kp, sc); return;
-        }
+        TILES_BY_KDT(tiles_pack_keys8, cache, offs, n, D, kp, sc);
+        return;
     }
 #endif
     float row[MAX_DIM];
@@ -169,12 +176,8 @@ static inline void tiles_pack_values(int kdt, const void *cache, const int64_t *
                                      int D, float *vp, float *sc) {
 #if defined(GEMV_AVX2)
     if (D % 8 == 0) {
-        switch (kdt) {
-        case DT_BF16: tiles_pack_values8(DT_BF16, cache, offs, n, D, vp, sc); return;
-        case DT_F16: tiles_pack_values8(DT_F16, cache, offs, n, D, vp, sc); return;
-        case DT_I8: tiles_pack_values8(DT_I8, cache, offs, n, D, vp, sc); return;
-        default: tiles_pack_values8(DT_F32, cache, offs, n, D, vp, sc); return;
-        }
+        TILES_BY_KDT(tiles_pack_values8, cache, offs, n, D, vp, sc);
+        return;
     }
 #endif
     float row[MAX_DIM + TILE_KEYS];

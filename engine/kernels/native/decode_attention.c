@@ -127,14 +127,12 @@ static inline void softmax_chunk(float *s, int n, float *m, float *l) {
 /* The chunk as two fixed-order GEMMs around the softmax. */
 #include "attention_tiles.h"
 
-/* Scratch floats of attend_rows for R rows. */
-static size_t attend_scratch_floats(const Args *a, int R) { return tiles_scratch_floats(a, R); }
 
 /* Attention of query rows rows[0..R) of one sequence (they share its block table row) for the
    query heads of KV heads [kh0, kh1) over the chunk at t0 (absolute positions), row r over its
    first ns[r] tokens (its causal length within the chunk): row r's part, its unnormalised
    output acc [heads, dim], max m [heads] and sum of exponentials l [heads], at parts + r * part
-   (part = heads * (dim + 2)). scratch: attend_scratch_floats(a, R). One compiled copy
+   (part = heads * (dim + 2)). scratch: tiles_scratch_floats(a, R). One compiled copy
    (noinline) serves every caller, and a row's bits never depend on who asks for it or on the
    rows beside it (attention_tiles.h). */
 static __attribute__((noinline)) void attend_rows(const Args *a, const int *rows, const int *ns,
@@ -213,7 +211,7 @@ static int attention_row_blocks(const Args *a, int batch, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     {
         const size_t state = (size_t)heads * ((size_t)dim + 2);
-        const size_t attend = attend_scratch_floats(a, ROW_BLOCK_ROWS);
+        const size_t attend = tiles_scratch_floats(a, ROW_BLOCK_ROWS);
         float *scratch = malloc(sizeof(float) * (attend + 2 * ROW_BLOCK_ROWS * state));
         if (!scratch) {
 #pragma omp atomic write
@@ -319,7 +317,7 @@ static int attention_split(const Args *a, int batch, int num_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        const size_t attend = attend_scratch_floats(a, longest);
+        const size_t attend = tiles_scratch_floats(a, longest);
         float *scratch = malloc(sizeof(float) * (attend + part * (size_t)longest) +
                                 sizeof(int) * 2 * (size_t)longest);
         if (!scratch) {

@@ -1,6 +1,5 @@
 /* What decode_attention.c and attention_tiles.h share: the work item's limits, the vector path
-   this build compiles in (ATTN_PATH), the arguments of a call (Args) and where a token's K or V
-   row lies. */
+   this build compiles in (ATTN_PATH), and the arguments of a call (Args). */
 
 #ifndef ENGINE_NATIVE_DECODE_ATTENTION_H
 #define ENGINE_NATIVE_DECODE_ATTENTION_H
@@ -17,7 +16,6 @@
 #if defined(__AVX512F__)
 #define ATTN_PATH "avx512"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define ATTN_AVX2 1
 #define ATTN_PATH "avx2"
 #else
 #define ATTN_PATH "c"
@@ -38,11 +36,6 @@ typedef struct {
 /* Query row b's block table row. */
 static inline const int32_t *row_table(const Args *a, int b) {
     return a->tables + (int64_t)(a->row_tables ? a->row_tables[b] : b) * a->s_bt;
-}
-
-static inline int64_t row_offset(const int32_t *table, int t, int bs, int64_t s_b, int64_t s_s,
-                                 int64_t s_h, int kh) {
-    return (int64_t)table[t / bs] * s_b + (int64_t)(t % bs) * s_s + (int64_t)kh * s_h;
 }
 
 #endif
