@@ -14,6 +14,10 @@ output length with ignore_eos; warm-up requests first):
 - ``batch1``: one request at a time, 128 output tokens: batch-1 decode speed (TPOT).
 - ``long``: 2 unique prompts of about 7,100 tokens, one at a time, 32 output tokens each: the
   time to first token of an 8k prefill and the decode speed at 8k of context (not by default).
+- ``long32k``: 1 unique prompt of 32,251 tokens, 32 output tokens: the same at 32k, with
+  the default model's positions stretched 4x by YaRN on both servers (``--rope-scaling`` and
+  ``--max-model-len 32768``; llama-server's ``--rope-scaling yarn --rope-scale 4``, one slot of
+  32k). Runs alone (not by default).
 - ``trace``: Mooncake's conversation trace at its real scale (512 tokens per block, its block ids
   kept: later turns share earlier turns' prefixes), the first 6 whole conversations whose turns
   all fit the default model (8,000 tokens), one request at a time in the trace's order, 32
@@ -46,12 +50,26 @@ from engine.bench.machine import ceilings
 from engine.bench.serve import load_tokenizer
 from engine.bench.servers import Server, chat_ids, gguf_file, stream_completion, thread_env
 from engine.bench.summary import median_over_rounds, round_order
+from engine.bench.trace import real_scale_conversations
 from engine.bench.workload import WORDS
 from engine.ipc.ports import free_port
 
 CONCURRENCY = 16
 TRACE_MAX_INPUT = 8000  # the ``trace`` workload's longest turn: the default model's 8,192 less room
 LONG_BODY = 7900  # tokens of a ``long`` prompt's text (re-encoded in the chat template: ~7,100)
+LONG32K_BODY = 34500  # a ``long32k`` prompt's (re-encoded in the chat template: 32,251)
+YARN = '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8192}'
+ENGINE_32K = ["--max-model-len", "32768", "--rope-scaling", YARN]
+LLAMA_32K = [
+    "-c",
+    "33792",
+    "--rope-scaling",
+    "yarn",
+    "--rope-scale",
+    "4",
+    "--yarn-orig-ctx",
+    "8192",
+]
 
 
 # -- workloads ------------------------------------------------------------------------------------
@@ -77,7 +95,10 @@ def workload(name: str, tok, seed: int, scale: float) -> tuple[list[list[int]], 
         n = max(2, round(4 * scale))
         return [chat_ids(tok, None, f"{i}: " + words(100)) for i in range(n)], 128, 1
     if name == "trace":
-        return trace_workload(max(1, round(6 * scale)), seed), 32, 1
+        return real_scale_conversations(max(1, round(6 * scale)), seed, TRACE_MAX_INPUT), 32, 1
+    if name == "long32k":
+        body = tok.encode(words(32000), add_special_tokens=False)[:LONG32K_BODY]
+        return [chat_ids(tok, None, "0: " + tok.decode(body))], 32, 1
     if name == "long":
         n = max(1, round(2 * scale))
         texts = [tok.decode(tok.encode(words(7000), add_special_tokens=False)[:LONG_BODY])]
@@ -85,29 +106,6 @@ def workload(name: str, tok, seed: int, scale: float) -> tuple[list[list[int]], 
                   for _ in range(n - 1)]  # fmt: skip
         return [chat_ids(tok, None, f"{i}: " + t) for i, t in enumerate(texts)], 32, 1
     raise SystemExit(f"unknown workload {name!r}")
-
-
-def trace_workload(conversations: int, salt: int) -> list[list[int]]:
-    """The conversation trace at its real scale: the first ``conversations`` whole conversations
-    (named by their second hash id, as engine/bench/trace.py samples them) whose every turn fits
-    the default model (at most TRACE_MAX_INPUT tokens), each trace block 512 tokens of its own
-    (block ids kept, so a turn shares its earlier turns' prefix as in the trace), in the trace's
-    order."""
-    from engine.bench.trace import TRACE_BLOCK, block_tokens_of
-    from engine.sim.trace import DEFAULT_TRACE, load_trace
-
-    reqs = load_trace(DEFAULT_TRACE)
-    convs: dict[int, list] = {}
-    for r in reqs:
-        convs.setdefault(r.hash_ids[1] if len(r.hash_ids) > 1 else -1 - r.index, []).append(r)
-    chosen = [c for c in convs.values() if max(r.input_len for r in c) <= TRACE_MAX_INPUT]
-    keep = {r.index for c in chosen[:conversations] for r in c}
-    prompts = []
-    for r in reqs:
-        if r.index in keep:
-            ids = [t for h in r.hash_ids for t in block_tokens_of(h, TRACE_BLOCK, salt)]
-            prompts.append(ids[: r.input_len])
-    return prompts
 
 
 # -- one HTTP load --------------------------------------------------------------------------------
@@ -158,6 +156,8 @@ def start_engine(args, gguf: str, name: str = "engine", extra: str | None = None
     cmd = [sys.executable, "-m", "engine", "serve", "--model", args.model, "--port", str(port)]
     cmd += ["--log-level", "warning", "--max-num-seqs", "64", "--kv-cache-memory-gb", "2"]
     cmd += shlex.split(args.engine_args if extra is None else extra)
+    if "long32k" in args.workloads:
+        cmd += ENGINE_32K
     log = args.log_prefix + name.replace(" ", "_") + ".log"
     return Server(name, cmd, port, thread_env(args.threads), log)
 
@@ -167,7 +167,11 @@ def start_llama(args, gguf: str) -> Server:
     cmd = [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
     long = {"long", "trace"} & set(args.workloads)
     per_slot = 8448 if long else 2048  # a long prompt and its output
-    cmd += ["-np", str(CONCURRENCY), "-c", str(CONCURRENCY * per_slot), "-t", str(args.threads)]
+    if "long32k" in args.workloads:  # one slot of 32k (16 would hold 12 GB of KV)
+        cmd += ["-np", "1", *LLAMA_32K, "-t", str(args.threads)]
+    else:
+        cmd += ["-np", str(CONCURRENCY), "-c", str(CONCURRENCY * per_slot)]
+        cmd += ["-t", str(args.threads)]
     cmd += ["-tb", str(args.threads), "--cont-batching", "--no-webui"]
     cmd += shlex.split(args.llama_args)
     return Server(
@@ -297,6 +301,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if "long32k" in args.workloads and len(args.workloads) > 1:
+        ap.error("--workloads long32k runs alone (its servers hold one 32k slot)")
     if args.isa and os.environ.get("ENGINE_CPU_ISA") != args.isa:
         # torch and oneDNN read their caps once, when first imported: start again under the cap
         env = {**os.environ, "ENGINE_CPU_ISA": args.isa}

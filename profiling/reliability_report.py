@@ -19,7 +19,7 @@ ORDER = {"chaos": 0, "soak": 1, "fuzz": 2, "doors": 3}
 HEAD = """# Reliability and security: what was tried, what happened, what was lost
 
 Written by `python profiling/reliability_report.py` from the records the suites wrote in their
-last runs (`{dir}`, {n} records). The goal in the last column is "nothing".
+last runs (`{dir}`, {n} records){kept}. The goal in the last column is "nothing".
 
 How to produce the records (a fuzz or doors row is written at the end of a pytest run in
 which no test failed, a chaos or soak row when its run passed):
@@ -33,6 +33,9 @@ which no test failed, a chaos or soak row when its run passed):
 .venv/bin/python -m pytest tests/fuzz tests/chaos -m slow          # CHAOS_DURATION_S=240 each
 .venv/bin/python tests/chaos/chaos_harness.py --duration 240 --clients 3 --seed 3
 .venv/bin/python tests/chaos/chaos_harness.py --duration 240 --clients 3 --seed 3 --hog
+# the conversation trace at its real scale (prompts up to 28,641 tokens) through the cluster's
+# processes under kills and KV faults, every answer against a colocated engine's: 30 minutes
+.venv/bin/python tests/chaos/trace_chaos.py --duration 1800 --seed 1
 # soak through HTTP in front of a cluster (10 min), with its figure
 .venv/bin/python profiling/soak.py --duration 600 --plot docs/figures/soak.png \\
     --record-dir .reliability
@@ -135,35 +138,80 @@ def _counts(counts: dict) -> str:
     return _cell("; ".join(parts))
 
 
-def render(recs: list[dict], directory: Path) -> str:
-    out = [HEAD.format(dir=directory.relative_to(REPO) if directory.is_relative_to(REPO)
-                       else directory, n=len(recs))]  # fmt: skip
+TABLES = {  # the header line that opens each table whose rows are one run's, and its width
+    "runs": "| suite | test |",
+    "errors": "| run | status and reason |",
+    "timeline": "| run | what happened when",
+}
+
+
+def earlier_rows(previous: str) -> dict[str, dict[str, list[str]]]:
+    """An earlier report's rows by table and run name (the second cell): runs made on other
+    machines or checkouts, whose records are not in this directory, keep their rows."""
+    rows: dict[str, dict[str, list[str]]] = {t: {} for t in TABLES}
+    table = None
+    for line in previous.splitlines():
+        opened = [t for t, head in TABLES.items() if line.startswith(head)]
+        if opened:
+            table = opened[0]
+        elif table and line.startswith("| ") and not line.startswith("| --- "):
+            cells = line.split(" | ")
+            name = cells[1].strip() if table == "runs" else cells[0][2:].strip()
+            rows[table].setdefault(name, []).append(line)
+        elif not line.startswith("|"):
+            table = None
+    return rows
+
+
+def _row(r: dict) -> str:
+    dur = r.get("duration_s")
+    return (
+        f"| {r['suite']} | {_cell(r['name'])} | {_cell(r['tried'])} | "
+        f"{_counts(r.get('counts', {}))} | {'' if dur is None else f'{dur:.0f} s'} | "
+        f"{_cell(r['outcome'])} | {_cell(r.get('lost', ''))} | {r.get('when', '')} |"
+    )
+
+
+def render(recs: list[dict], directory: Path, previous: str = "") -> str:
+    """The report of ``recs``, with the rows of the ``previous`` report's runs that have no
+    record here."""
+    names = {_cell(r["name"]) for r in recs}
+    old = {t: {n: v for n, v in rows.items() if n not in names}
+           for t, rows in earlier_rows(previous).items()}  # fmt: skip
+    runs = [((ORDER.get(r["suite"], 9), _cell(r["name"])), [_row(r)]) for r in recs]
+    for name, lines in old["runs"].items():
+        suite = lines[0].split(" | ")[0][2:].strip()
+        runs.append(((ORDER.get(suite, 9), name), lines))
+    runs.sort(key=lambda kv: kv[0])
+    kept = f"; {len(old['runs'])} rows kept from the report before, runs recorded elsewhere"
+    where = directory.relative_to(REPO) if directory.is_relative_to(REPO) else directory
+    out = [HEAD.format(dir=where, n=len(recs), kept=kept if old["runs"] else "")]
     cols = ["suite", "test", "what was tried", "counts", "duration", "what happened", "lost"]
     out.append("| " + " | ".join([*cols, "when"]) + " |")
     out.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in recs:
-        dur = r.get("duration_s")
-        out.append(
-            f"| {r['suite']} | {_cell(r['name'])} | {_cell(r['tried'])} | "
-            f"{_counts(r.get('counts', {}))} | {'' if dur is None else f'{dur:.0f} s'} | "
-            f"{_cell(r['outcome'])} | {_cell(r.get('lost', ''))} | {r.get('when', '')} |"
-        )
-    details = [r for r in recs if isinstance(r.get("summary"), dict) and r["summary"].get("errors")]
-    if details:
+    out += [line for _, lines in runs for line in lines]
+    errors = {_cell(r["name"]): [f"| {r['name']} | {_cell(reason)} | {n} |"
+                                 for reason, n in r["summary"]["errors"].items()]
+              for r in recs if isinstance(r.get("summary"), dict)
+              and r["summary"].get("errors")}  # fmt: skip
+    timeline = {
+        name: [f"| {name} | " + ", ".join(f"{t} {a} {n}" for t, a, n in
+                                          r["summary"].get("timeline", [])) + " |"]
+        for r in recs if (name := _cell(r["name"])) in errors
+    }  # fmt: skip
+    errors |= old["errors"]
+    timeline |= old["timeline"]
+    if errors:
         out.append("\n## What the clients of the chaos runs saw when a request failed\n")
         out.append("Status 0: the connection was refused or closed (the router was down). ")
         out.append("Every failure here is a clear error: the request was not answered wrongly.\n")
         out.append("| run | status and reason | requests |")
         out.append("| --- | --- | --- |")
-        for r in details:
-            for reason, n in r["summary"]["errors"].items():
-                out.append(f"| {r['name']} | {_cell(reason)} | {n} |")
+        out += [line for name in sorted(errors) for line in errors[name]]
         out.append("")
         out.append("| run | what happened when (s from the start) |")
         out.append("| --- | --- |")
-        for r in details:
-            tl = r["summary"].get("timeline", [])
-            out.append(f"| {r['name']} | " + ", ".join(f"{t} {a} {n}" for t, a, n in tl) + " |")
+        out += [line for name in sorted(timeline) for line in timeline[name]]
     out.append(FINDINGS)
     out.append(DOORS)
     return "\n".join(out) + "\n"
@@ -179,7 +227,9 @@ def main() -> int:
     if not recs:
         print(f"no records in {directory}: run the suites first (see this script's doc)")
         return 1
-    Path(args.out).write_text(render(recs, directory))
+    out = Path(args.out)
+    previous = out.read_text() if out.exists() else ""
+    out.write_text(render(recs, directory, previous))
     print(f"{args.out}: {len(recs)} rows")
     return 0
 

@@ -220,6 +220,28 @@ def sample_conversations(reqs: list[TraceRequest], every: int) -> list[TraceRequ
     return [r for r in reqs if len(r.hash_ids) > 1 and r.hash_ids[1] % every == 0]
 
 
+def real_scale_conversations(conversations: int, salt: int, max_input: int) -> list[list[int]]:
+    """The conversation trace at its real scale: the first ``conversations`` whole conversations
+    (named by their second hash id, as ``sample_conversations``) whose every turn has at most
+    ``max_input`` tokens, each trace block ``TRACE_BLOCK`` tokens of its own (block ids kept, so a
+    turn shares its earlier turns' prefix as in the trace), in the trace's order: the prompts'
+    token ids."""
+    from engine.sim.trace import DEFAULT_TRACE, load_trace
+
+    reqs = load_trace(DEFAULT_TRACE)
+    convs: dict[int, list] = {}
+    for r in reqs:
+        convs.setdefault(r.hash_ids[1] if len(r.hash_ids) > 1 else -1 - r.index, []).append(r)
+    chosen = [c for c in convs.values() if max(r.input_len for r in c) <= max_input]
+    keep = {r.index for c in chosen[:conversations] for r in c}
+    prompts = []
+    for r in reqs:
+        if r.index in keep:
+            ids = [t for h in r.hash_ids for t in block_tokens_of(h, TRACE_BLOCK, salt)]
+            prompts.append(ids[: r.input_len])
+    return prompts
+
+
 def _record_decisions(placement) -> list:
     """Every Decision the placement makes (the Conductor's, for the verbose per-run line)."""
     decisions: list = []

@@ -5,7 +5,14 @@ whole conversations."""
 
 from __future__ import annotations
 
-from engine.bench.trace import Result, sample_conversations, scale_trace, summarize
+from engine.bench.trace import (
+    TRACE_BLOCK,
+    Result,
+    real_scale_conversations,
+    sample_conversations,
+    scale_trace,
+    summarize,
+)
 from engine.kvcache.prefix_hash import hash_blocks
 from engine.sim.trace import TraceRequest
 
@@ -59,3 +66,20 @@ def test_goodput_counts_requests_meeting_both_slos():
     assert (s.completed, s.rejected, s.failed) == (3, 1, 0)
     assert s.goodput_rps == 0.5 and s.goodput_share == 0.25
     assert s.hit_rate == 50 / 300
+
+
+def test_real_scale_conversations_keep_lengths_and_turns_share_their_prefixes():
+    """The shipped trace at its real scale (trace_chaos.py, bench_peer.py's trace): whole
+    conversations within the cap, the trace's input lengths, a later turn starting with its
+    conversation's earlier blocks."""
+    from engine.sim.trace import DEFAULT_TRACE, load_trace
+
+    prompts = real_scale_conversations(10, 0, 32000)
+    assert len(prompts) == 18 and max(map(len, prompts)) == 28641
+    lengths = {r.input_len for r in load_trace(DEFAULT_TRACE)}
+    assert all(len(p) in lengths for p in prompts)
+    two = 2 * TRACE_BLOCK  # the system prompt's block and the conversation's first
+    shared = [(a, b) for i, a in enumerate(prompts) for b in prompts[i + 1 :] if a[:two] == b[:two]]
+    assert shared  # turns of one conversation share its first blocks
+    assert real_scale_conversations(10, 1, 32000)[0][:64] != prompts[0][:64]  # the salt
+    assert max(map(len, real_scale_conversations(6, 0, 8000))) <= 8000

@@ -69,6 +69,14 @@ class ChaosConfig:
     # A process spinning on one core for the whole run (from before the cluster starts), as on
     # a machine shared with other jobs: deadlines a busy host misses are design bugs.
     hog: bool = False
+    # The workers' engine options (the library prompts: float32, so the oracle can tell a
+    # float32 near-tie; trace_chaos.py serves the trace's long prompts with its own).
+    engine_args: tuple[str, ...] = ("--dtype", "float32", "--max-model-len", "1024",
+                                    "--kv-cache-memory-gb", "0.2")  # fmt: skip
+    threads: tuple[int, int] = (1, 1)  # the prefill and the decode worker's
+    staging_mb: int = 64  # the decode worker's KV staging arena
+    router_args: tuple[str, ...] = ()
+    memory_scale: float = 1.0  # of MEMORY_BOUND
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.deadline_s <= 0 or self.clients < 1:
@@ -149,8 +157,7 @@ class Chaos:
         self.base_env = base
         self.ssd_mode = "tmpfs" if _can_mount_tmpfs(workdir) else "directory"
         py = [sys.executable, "-m", "engine.cli.main"]
-        engine = ["--model", "default", "--dtype", "float32", "--max-model-len", "1024",
-                  "--kv-cache-memory-gb", "0.2", "--threads", "1", "--log-level", "warning",
+        engine = ["--model", "default", *cfg.engine_args, "--log-level", "warning",
                   "--kv-pool", f"tcp://127.0.0.1:{self.pool_port}"]  # fmt: skip
         pool = [*py, "pool", "serve", "--dram", f"{cfg.dram_mb}MiB", "--ssd",
                 f"{self.ssd_dir}:{cfg.ssd_mb * 4}MiB", "--port", str(self.pool_port),
@@ -160,8 +167,11 @@ class Chaos:
             pool = ["unshare", "-m", "sh", "-c", f'{mount} && exec "$@"', "sh", *pool]
         router = [sys.executable, str(REPO / "tests/chaos/router_proc.py"), "router",
                   "--address", self.router_address, "--port", str(self.http_port),
-                  "--heartbeat-timeout", "3", "--log-level", "warning"]  # fmt: skip
-        worker = [*py, "worker", "--router", self.router_address, "--kv-staging-mb", "64"]
+                  "--heartbeat-timeout", "3", "--log-level", "warning",
+                  *cfg.router_args]  # fmt: skip
+        worker = [*py, "worker", "--router", self.router_address, "--kv-staging-mb",
+                  str(cfg.staging_mb)]  # fmt: skip
+        threads = [["--threads", str(n)] for n in cfg.threads]
         self.procs = {
             "pool": Proc("pool", pool, base, workdir / "pool.log"),
             "router": Proc(
@@ -172,13 +182,13 @@ class Chaos:
             ),  # fmt: skip
             "prefill": Proc(
                 "prefill",
-                [*worker, "--role", "prefill", "--worker-id", "prefill-0", *engine],
+                [*worker, "--role", "prefill", "--worker-id", "prefill-0", *engine, *threads[0]],
                 base,
                 workdir / "prefill.log",
             ),  # fmt: skip
             "decode": Proc(
                 "decode",
-                [*worker, "--role", "decode", "--worker-id", "decode-0", *engine],
+                [*worker, "--role", "decode", "--worker-id", "decode-0", *engine, *threads[1]],
                 base,
                 workdir / "decode.log",
             ),  # fmt: skip
@@ -186,6 +196,7 @@ class Chaos:
         self.hog: subprocess.Popen | None = None
         self.results: list[Result] = []
         self.reference: dict[int, str] = {}
+        self.exact_reference = False  # True: a deterministic engine's, any difference is wrong
         self.events: list[tuple[float, str, str]] = []  # (time, action, target)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -295,10 +306,21 @@ class Chaos:
 
     # -- load ----------------------------------------------------------------------------------
 
+    def body(self, i: int) -> dict:
+        """The request for prompt ``i``."""
+        return {"model": "default", "prompt": PREFIX + QUESTIONS[i],
+                "max_tokens": self.cfg.max_tokens, "temperature": 0}  # fmt: skip
+
+    def final_prompts(self) -> list[int]:
+        """The prompts asked once more after the chaos (each must come back identical)."""
+        return list(range(len(QUESTIONS)))
+
+    def next_prompt(self, rng: random.Random) -> int:
+        return rng.randrange(len(QUESTIONS))
+
     def ask(self, i: int) -> Result:
         t0 = time.monotonic()
-        body = {"model": "default", "prompt": PREFIX + QUESTIONS[i], "max_tokens":
-                self.cfg.max_tokens, "temperature": 0}  # fmt: skip
+        body = self.body(i)
         try:
             r = self.client.post("/v1/completions", json=body)
         except httpx.TimeoutException as exc:
@@ -338,7 +360,7 @@ class Chaos:
     def _client_loop(self, seed: int) -> None:
         rng = random.Random(seed)
         while not self._stop.is_set():
-            r = self.ask(rng.randrange(len(QUESTIONS)))
+            r = self.ask(self.next_prompt(rng))
             with self._lock:
                 self.results.append(r)
             if r.kind in ("connection", "error_status"):
@@ -380,7 +402,7 @@ class Chaos:
         chaos_s = time.monotonic() - t_start
         self._stop.clear()
         self.wait_ready(self.cfg.start_timeout_s)
-        final = [self.ask(i) for i in range(len(QUESTIONS))]
+        final = [self.ask(i) for i in self.final_prompts()]
         idle = self.wait_idle()
         pool_stats = self.pool_stats()
         self.sample_memory()
@@ -470,7 +492,7 @@ def judge_mismatches(chaos: Chaos) -> None:
     layers serve, as on the oracle's own engine here): then every mismatch stays one; the
     oracle's reason is appended."""
     bad = [r for r in chaos.results if r.kind == "mismatch"]
-    if not bad:
+    if not bad or chaos.exact_reference:  # a deterministic reference: every mismatch is wrong
         return
     from oracle import classify
 
@@ -494,8 +516,9 @@ def summarize(chaos: Chaos, run: dict, left: dict) -> dict:
     kinds = Counter(r.kind for r in chaos.results)
     final_kinds = Counter(r.kind for r in run["final"])
     kills = {name: p.kills for name, p in chaos.procs.items()}
+    bound = {n: int(b * chaos.cfg.memory_scale) for n, b in MEMORY_BOUND.items()}
     over = {name: p.peak_rss for name, p in chaos.procs.items()
-            if p.peak_rss > MEMORY_BOUND[name]}  # fmt: skip
+            if p.peak_rss > bound[name]}  # fmt: skip
     pool_stats = run["pool_stats"].get("stats", {})
     ssd = [v.get("tiers", {}).get("ssd", {}) for k, v in pool_stats.items() if k != "service"]
     failed = [r for r in chaos.results if r.kind in ("error_status", "connection")]
@@ -524,7 +547,7 @@ def summarize(chaos: Chaos, run: dict, left: dict) -> dict:
         "pool_leases": run["pool_stats"].get("leases"),
         "pool_reservations": run["pool_stats"].get("reservations"),
         "peak_rss_mib": {n: p.peak_rss >> 20 for n, p in chaos.procs.items()},
-        "memory_bound_mib": {n: b >> 20 for n, b in MEMORY_BOUND.items()},
+        "memory_bound_mib": {n: b >> 20 for n, b in bound.items()},
         "over_memory_bound": over,
         "left_behind": left,
         "chaos_s": round(run["chaos_s"], 1),
@@ -555,8 +578,6 @@ def main() -> int:
     ap.add_argument("--hog", action="store_true", help="a process spinning on one core")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "tests"))
-    from reliab_record import write_record
-
     from engine.ipc.curve import generate_keys
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -567,11 +588,18 @@ def main() -> int:
         )
         t0 = time.monotonic()
         summary = run_scenario(Path(tmp), keys, cfg)
-    print(json.dumps(summary, indent=1))
     name = f"long-seed{args.seed}" + ("-hog" if args.hog else "")
-    write_record("chaos", name, describe(cfg), summary_counts(summary),
-                 outcome_line(summary), lost_line(summary), time.monotonic() - t0,
-                 extra={"summary": summary})  # fmt: skip
+    return command_end(name, describe(cfg), summary, time.monotonic() - t0)
+
+
+def command_end(name: str, tried: str, summary: dict, seconds: float) -> int:
+    """A command line run's end: the summary printed, its record written (reliab_record.py),
+    each failed check printed; the exit status (1 when a check failed)."""
+    from reliab_record import write_record
+
+    print(json.dumps(summary, indent=1))
+    write_record("chaos", name, tried, summary_counts(summary), outcome_line(summary),
+                 lost_line(summary), seconds, extra={"summary": summary})  # fmt: skip
     bad = problems(summary)
     for p in bad:
         print("FAILED:", p)

@@ -64,3 +64,28 @@ def test_chaos_short(tmp_path):
 def test_chaos_long(tmp_path, seed):
     duration = float(os.environ.get("CHAOS_DURATION_S", "240"))
     _run(tmp_path, f"long-seed{seed}", ChaosConfig(duration_s=duration, seed=seed, clients=3))
+
+
+@pytest.mark.slow
+def test_chaos_trace(tmp_path):
+    """The conversation trace at its real scale through the cluster under kills and KV faults
+    (trace_chaos.py; by hand for 30 minutes: ``python tests/chaos/trace_chaos.py``): every
+    answer the same as a colocated engine's."""
+    from dataclasses import replace
+
+    from reliab_record import write_record
+    from trace_chaos import CONVERSATIONS, TRACE_CONFIG, describe_trace, run_trace_scenario
+
+    duration = float(os.environ.get("CHAOS_DURATION_S", "240"))
+    cfg = replace(TRACE_CONFIG, duration_s=duration, seed=_seed())
+    keys = str(tmp_path / "keys")
+    generate_keys(keys)
+    t0 = time.monotonic()
+    print(f"chaos trace: seed {cfg.seed} (replay with CHAOS_SEED={cfg.seed})")
+    s = run_trace_scenario(tmp_path, keys, cfg, CONVERSATIONS)
+    print(s)
+    bad = problems(s)
+    assert not bad, f"seed {cfg.seed} (replay with CHAOS_SEED={cfg.seed}):\n" + "\n".join(bad)
+    write_record("chaos", f"trace-seed{cfg.seed}", describe_trace(cfg, s), counts(s),
+                 outcome_line(s), lost_line(s), time.monotonic() - t0,
+                 extra={"summary": s})  # fmt: skip
