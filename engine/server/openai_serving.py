@@ -31,7 +31,7 @@ from engine.server.openai_protocol import (
     CompletionRequest,
 )
 from engine.server.openai_structured import in_field
-from engine.server.streams import RequestStreams
+from engine.server.streams import RequestStreams, check_whole
 from engine.server.token_text import TokenText, clamp
 from engine.server.tokenize_pool import check_prompt_chars
 from engine.server.tool_calls import ToolCallStream, calls_json, finish_reason, parse_reply
@@ -245,6 +245,8 @@ class OpenAIServing:
                 finals[i] = out
         finally:
             await streams.aclose()
+        for i in finals:
+            check_whole(finals[i], job.id)
         choices = []
         for i in sorted(finals):
             for c in finals[i].outputs:

@@ -1,0 +1,188 @@
+"""How a request ends, as a client of the HTTP and the RPC server sees it (docs/endings.md): a
+200 (or an RPC result, a stream's last chunk) carries the whole answer with a true finish
+reason; a request whose outputs stop before a final one, that ends with a finish reason of the
+engine's own, that its engine loses mid-way, or (a whole response) that the server's shutdown
+aborted, ends with a 503 naming why: an error reply, or in a stream an error event, never a
+quiet end that reads as complete.
+
+The engine is scripted (an EngineClient that yields the outputs given, then stops), so each
+ending is exact and fast."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from serverutil import MODEL, RPCThread, http_server
+from test_engine_dead import DeadEngine
+
+from engine.async_llm import EngineDeadError
+from engine.outputs import CompletionOutput, RequestOutput
+
+PROMPT = [5, 6, 7]
+
+
+def output(text: str, done: str | None, new: str) -> RequestOutput:
+    """A one-choice output holding ``text`` so far (``new`` of it this step), ended by ``done``."""
+    ids = [ord(ch) for ch in text]
+    c = CompletionOutput(
+        0, text, ids, finish_reason=done, new_text=new, new_token_ids=ids[len(ids) - len(new) :]
+    )
+    return RequestOutput("r", None, PROMPT, [c], finished=done is not None)
+
+
+# Each ending: what the engine hands the server after the first output "He".
+ENDINGS = {
+    "stop": [output("Hello", "stop", "llo")],
+    "length": [output("Hello", "length", "llo")],
+    "cut short": [],  # the outputs stop without a final one
+    "handed_over": [output("Hello", "handed_over", "llo")],
+    "stage_done": [output("He", "stage_done", "")],
+    "error": [output("Hello", "error", "llo")],
+    "engine died": [EngineDeadError("engine loop died: RuntimeError('boom')")],
+    "abort": [output("Hel", "abort", "l")],  # the server's shutdown aborted it
+}
+ANSWERS = ("stop", "length")  # the endings that are a whole answer
+WHY = {  # what the error names
+    "cut short": "ended without its final output",
+    "handed_over": "'handed_over', not an answer",
+    "stage_done": "'stage_done', not an answer",
+    "error": "'error', not an answer",
+    "engine died": "engine loop died",
+    "abort": "was aborted before its answer was complete",
+}
+
+
+class ScriptedEngine(DeadEngine):
+    """Every request yields "He" and then the ending's outputs (an exception is raised)."""
+
+    def __init__(self, ending: str) -> None:
+        super().__init__(RuntimeError("unused"))
+        self.script = [output("He", None, "He"), *ENDINGS[ending]]
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt, params=None, request_id=None, cache_salt=None, priority=0):
+        for item in self.script:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def is_healthy(self) -> bool:
+        return True
+
+    async def health(self) -> None:
+        pass
+
+
+def sse_events(text: str) -> list:
+    return [
+        json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+        for line in text.splitlines()
+        if line.startswith("data: ")
+    ]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_http_whole_response(ending, path):
+    body = {"model": MODEL, "max_tokens": 8}
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    with http_server(ScriptedEngine(ending)) as s:
+        r = httpx.post(s.url + path, json=body, timeout=30)
+    if ending in ANSWERS:
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == ending
+        assert (choice.get("text") or choice["message"]["content"]) == "Hello"
+        return
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == 503 and WHY[ending] in err["message"]
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_http_stream(ending):
+    body = {"model": MODEL, "max_tokens": 8, "prompt": PROMPT, "stream": True}
+    with http_server(ScriptedEngine(ending)) as s:
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text  # the headers went out with the first output
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if "choices" in e]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    errors = [e["error"] for e in events[:-1] if "error" in e]
+    if ending in ANSWERS or ending == "abort":  # "abort": documented (docs/serving.md)
+        assert not errors and reasons[-1] == ending, events
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert text == ("Hello" if ending != "abort" else "Hel")
+        return
+    # Not an answer: an error event before [DONE], and no chunk with a finish reason.
+    assert len(errors) == 1 and errors[0]["code"] == 503, events
+    assert WHY[ending] in errors[0]["message"]
+    assert reasons == [None], events
+    assert events[-2] == {"error": errors[0]}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_rpc(ending):
+    from engine.client import RPCClient, RPCError
+
+    with RPCThread(ScriptedEngine(ending)) as server, RPCClient(server.address) as client:
+        if ending in ANSWERS:
+            result = client.generate(PROMPT, max_tokens=8, timeout=30)
+            assert result.outputs[0].finish_reason == ending and result.text == "Hello"
+            deltas = list(client.stream(PROMPT, max_tokens=8, timeout=30))
+            assert deltas[-1].outputs[0].finish_reason == ending
+            assert "".join(d.text for d in deltas) == "Hello"
+            return
+        with pytest.raises(RPCError) as whole:
+            client.generate(PROMPT, max_tokens=8, timeout=30)
+        assert whole.value.code == 503 and WHY[ending] in whole.value.message
+        deltas = []
+        if ending == "abort":  # a stream ends on its "abort" chunk (docs/serving.md)
+            deltas = list(client.stream(PROMPT, max_tokens=8, timeout=30))
+            assert deltas[-1].outputs[0].finish_reason == "abort"
+            return
+        with pytest.raises(RPCError) as streamed:
+            for delta in client.stream(PROMPT, max_tokens=8, timeout=30):
+                deltas.append(delta)
+        assert streamed.value.code == 503 and WHY[ending] in streamed.value.message
+        assert [c.finish_reason for d in deltas for c in d.outputs] == [None]
+
+
+def test_rpc_whole_result_aborted_by_its_client_is_its_answer():
+    """An abort the client asked for (the abort op) is the answer it gets: finish_reason
+    "abort", not an error."""
+    from engine.client import AsyncRPCClient
+
+    engine = ScriptedEngine("abort")
+    first, aborted = engine.script
+
+    async def generate(prompt, params=None, request_id=None, cache_salt=None, priority=0):
+        yield first
+        while not engine.aborted:
+            await asyncio.sleep(0.01)
+        yield aborted
+
+    engine.generate = generate
+
+    async def main(address):
+        async with AsyncRPCClient(address) as client:
+            call = asyncio.ensure_future(
+                client.generate(PROMPT, max_tokens=8, request_id="mine", timeout=30)
+            )
+            while not await client.abort("mine"):
+                await asyncio.sleep(0.01)
+            return await call
+
+    with RPCThread(engine) as server:
+        result = asyncio.run(main(server.address))
+    assert result.outputs[0].finish_reason == "abort" and result.text == "Hel"
