@@ -33,7 +33,8 @@ def ending_problem(out: RequestOutput) -> str | None:
     of the engine's own. None if nothing."""
     for c in out.outputs:
         if c.finish_reason is not None and c.finish_reason not in PUBLIC_FINISH_REASONS:
-            return f"choice {c.index} ended with {str(c.finish_reason)[:40]!r}, not an answer"
+            why = f" ({str(c.stop_reason)[:40]})" if c.stop_reason is not None else ""
+            return f"choice {c.index} ended with {str(c.finish_reason)[:40]!r}{why}, not an answer"
     return None
 
 

@@ -24,12 +24,12 @@ from engine.outputs import CompletionOutput, RequestOutput
 PROMPT = [5, 6, 7]
 
 
-def output(text: str, done: str | None, new: str) -> RequestOutput:
-    """A one-choice output holding ``text`` so far (``new`` of it this step), ended by ``done``."""
+def output(text: str, done: str | None, new: str, why: str | None = None) -> RequestOutput:
+    """A one-choice output holding ``text`` so far (``new`` of it this step), ended by ``done``
+    (with stop reason ``why``)."""
     ids = [ord(ch) for ch in text]
-    c = CompletionOutput(
-        0, text, ids, finish_reason=done, new_text=new, new_token_ids=ids[len(ids) - len(new) :]
-    )
+    c = CompletionOutput(0, text, ids, finish_reason=done, stop_reason=why, new_text=new)
+    c.new_token_ids = ids[len(ids) - len(new) :]
     return RequestOutput("r", None, PROMPT, [c], finished=done is not None)
 
 
@@ -41,6 +41,7 @@ ENDINGS = {
     "handed_over": [output("Hello", "handed_over", "llo")],
     "stage_done": [output("He", "stage_done", "")],
     "error": [output("Hello", "error", "llo")],
+    "grammar refused": [output("Hel", "error", "l", "grammar_refused")],  # output_processor.py
     "engine died": [EngineDeadError("engine loop died: RuntimeError('boom')")],
     "abort": [output("Hel", "abort", "l")],  # the server's shutdown aborted it
 }
@@ -50,6 +51,7 @@ WHY = {  # what the error names
     "handed_over": "'handed_over', not an answer",
     "stage_done": "'stage_done', not an answer",
     "error": "'error', not an answer",
+    "grammar refused": "'error' (grammar_refused), not an answer",
     "engine died": "engine loop died",
     "abort": "was aborted before its answer was complete",
 }
