@@ -114,3 +114,40 @@ def test_a_stream_the_engine_lost_raises_instead_of_ending_quietly(tiny_llm):
             real("lost")
 
     asyncio.run(main())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_failed_step_fails_every_caller_with_engine_dead():
+    """The engine loop's step raises: the caller streaming gets EngineDeadError naming it
+    (a 503 for the servers), not an end that passes for an answer, and so does every later
+    request, at once."""
+    from tiny_models import tiny_model
+
+    from engine.async_llm import EngineDeadError
+
+    config = EngineConfig(
+        model=str(tiny_model("llama")), dtype="float32", device="cpu",
+        cache=CacheConfig(num_blocks=64),
+    )  # fmt: skip
+    llm = AsyncLLM(config=config)
+    try:
+
+        async def main():
+            params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+            gen = llm.generate([5, 6, 7, 8], params)
+            await anext(gen)
+            llm.engine.forward.run = _raise  # the next step's forward fails
+            with pytest.raises(EngineDeadError, match="boom in the forward"):
+                async for _ in gen:
+                    pass
+            with pytest.raises(EngineDeadError, match="boom in the forward"):
+                await anext(llm.generate([5, 6], params))
+
+        asyncio.run(main())
+        assert not llm.is_healthy()
+    finally:
+        llm.close()
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("boom in the forward")
