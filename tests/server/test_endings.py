@@ -188,3 +188,42 @@ def test_rpc_whole_result_aborted_by_its_client_is_its_answer():
     with RPCThread(engine) as server:
         result = asyncio.run(main(server.address))
     assert result.outputs[0].finish_reason == "abort" and result.text == "Hel"
+
+
+def test_http_whole_response_cut_by_the_shutdown_deadline_is_a_503():
+    """End to end on a real (tiny) engine: the shutdown's deadline aborts a request that is not
+    streamed; its client gets a 503 naming the abort, not a 200 with part of the answer."""
+    import threading
+    import time
+
+    from tiny_models import tiny_model
+
+    from engine.async_llm import AsyncLLM
+    from engine.config import CacheConfig, EngineConfig
+
+    config = EngineConfig(
+        model=str(tiny_model("llama")), dtype="float32", device="cpu", max_model_len=4096,
+        cache=CacheConfig(num_blocks=512),
+    )  # fmt: skip
+    llm = AsyncLLM(config=config)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}
+    got: list[httpx.Response] = []
+    try:
+        with http_server(llm) as s:
+            post = threading.Thread(
+                target=lambda: got.append(
+                    httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+                ),  # fmt: skip
+            )
+            post.start()
+            deadline = time.monotonic() + 30
+            while llm.metrics().generation_tokens < 2:
+                assert time.monotonic() < deadline and post.is_alive(), got
+                time.sleep(0.01)
+            llm.set_deadline(time.monotonic())  # what the drain does when its time is up
+            post.join(60)
+    finally:
+        llm.close()
+    (r,) = got
+    assert r.status_code == 503, r.text
+    assert "was aborted before its answer was complete" in r.json()["error"]["message"]
