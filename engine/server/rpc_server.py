@@ -33,7 +33,7 @@ from engine.server import rpc_messages as r
 from engine.server.errors import APIError, to_api_error
 from engine.server.openai_protocol import MAX_N
 from engine.server.rpc_client import DEFAULT_ADDRESS
-from engine.server.streams import check_whole, checked
+from engine.server.streams import check_whole, checked, moved_once
 from engine.server.tokenize_pool import Offloader, check_prompt_chars
 
 logger = logging.getLogger("engine.server.rpc")
@@ -264,15 +264,14 @@ class RPCServer:
                 ),
                 call.request_id,
             )
+            ended: set[int] = set()  # choices whose last chunk went out (a finish reason once)
             async with aclosing(gen):
                 async for out in gen:
                     last = out
                     if not call.stream:
                         continue
                     moved = [
-                        output_to_wire(c)
-                        for c in out.outputs
-                        if c.new_token_ids or c.new_text or c.finish_reason
+                        output_to_wire(c) for c in out.outputs if moved_once(c, c.index, ended)
                     ]
                     chunk = r.Chunk(call.call_id, call.request_id, moved)
                     if moved and not self._send(call.peer, chunk):

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from engine.async_llm import IncompleteRequestError
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 _END = object()
@@ -36,6 +36,18 @@ def ending_problem(out: RequestOutput) -> str | None:
             why = f" ({str(c.stop_reason)[:40]})" if c.stop_reason is not None else ""
             return f"choice {c.index} ended with {str(c.finish_reason)[:40]!r}{why}, not an answer"
     return None
+
+
+def moved_once(c: CompletionOutput, index: int, ended: set[int]) -> bool:
+    """Whether choice ``c`` (``index`` in the response) has something to stream: new tokens or
+    text, or its finish reason, once. A choice that ended before the others of its request is
+    in every later output of it, finished and with nothing new; ``ended`` notes the choices
+    whose last chunk went out."""
+    if index in ended:
+        return False
+    if c.finish_reason is not None:
+        ended.add(index)
+    return bool(c.new_token_ids or c.new_text or c.finish_reason)
 
 
 def check_whole(out: RequestOutput, request_id: str) -> None:

@@ -227,3 +227,48 @@ def test_http_whole_response_cut_by_the_shutdown_deadline_is_a_503():
     (r,) = got
     assert r.status_code == 503, r.text
     assert "was aborted before its answer was complete" in r.json()["error"]["message"]
+
+
+def two_choices(a: tuple, b: tuple, finished: bool) -> RequestOutput:
+    """n=2: each choice (text, finish_reason, new text)."""
+    cs = []
+    for i, (text, done, new) in enumerate((a, b)):
+        c = output(text, done, new).outputs[0]
+        c.index = i
+        cs.append(c)
+    return RequestOutput("r", None, PROMPT, cs, finished=finished)
+
+
+def test_n2_one_choice_ends_early_each_ends_with_its_own_reason_once():
+    """A choice that ends before the other carries its own finish reason in its last chunk,
+    once (the engine's later outputs hold it again, finished, with nothing new; before the
+    fix every one was streamed as another chunk with its finish reason), HTTP and RPC; the
+    stream goes on for the other, and a whole response holds both, each with its reason."""
+    engine = ScriptedEngine("stop")
+    engine.script = [
+        two_choices(("A", None, "A"), ("B", None, "B"), False),
+        two_choices(("A.", "stop", "."), ("BB", None, "B"), False),
+        two_choices(("A.", "stop", ""), ("BBB", "length", "B"), True),
+    ]
+    body = {"model": MODEL, "max_tokens": 3, "prompt": PROMPT, "n": 2}
+    with http_server(engine) as s:
+        whole = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        streamed = httpx.post(s.url + "/v1/completions", json={**body, "stream": True}, timeout=30)
+    assert whole.status_code == 200, whole.text
+    got = [(c["text"], c["finish_reason"]) for c in whole.json()["choices"]]
+    assert got == [("A.", "stop"), ("BBB", "length")]
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    ends = [
+        (c["index"], c["finish_reason"])
+        for e in events[:-1]
+        for c in e["choices"]
+        if c["finish_reason"] is not None
+    ]
+    assert ends == [(0, "stop"), (1, "length")]
+    from engine.client import RPCClient
+
+    with RPCThread(engine) as server, RPCClient(server.address) as client:
+        deltas = list(client.stream(PROMPT, max_tokens=3, n=2, timeout=30))
+    ends = [(c.index, c.finish_reason) for d in deltas for c in d.outputs if c.finish_reason]
+    assert ends == [(0, "stop"), (1, "length")]
