@@ -272,3 +272,21 @@ def test_n2_one_choice_ends_early_each_ends_with_its_own_reason_once():
         deltas = list(client.stream(PROMPT, max_tokens=3, n=2, timeout=30))
     ends = [(c.index, c.finish_reason) for d in deltas for c in d.outputs if c.finish_reason]
     assert ends == [(0, "stop"), (1, "length")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("ending", ["cut short", "handed_over"])
+def test_responses_api_refuses_what_is_no_answer(ending, stream):
+    """/v1/responses reads the same checked outputs: a 503 naming why, or when streamed an
+    error event and response.failed, never a completed response."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 8, "stream": stream}
+    with http_server(ScriptedEngine(ending)) as s:
+        r = httpx.post(s.url + "/v1/responses", json=body, timeout=30)
+    if not stream:
+        assert r.status_code == 503, r.text
+        assert WHY[ending] in r.json()["error"]["message"]
+        return
+    events = [e for e in sse_events(r.text) if e != "[DONE]"]
+    kinds = [e.get("type") for e in events]
+    assert "response.completed" not in kinds and kinds[-2:] == ["error", "response.failed"]
+    assert WHY[ending] in events[-2]["message"]
