@@ -39,6 +39,13 @@ class EngineShuttingDownError(RuntimeError):
     """The engine no longer admits requests (HTTP 503)."""
 
 
+class IncompleteRequestError(EngineDeadError):
+    """A request ended without its whole answer, and not because its caller asked: its outputs
+    stopped before a final one, or a choice ended with a finish reason that is no answer (one
+    of an engine's own, or "abort" where nobody aborted it). The servers answer 503 naming
+    why; a partial answer is never passed off as whole."""
+
+
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     """Queue a request that the caller's thread validated (unless aborted meanwhile)."""
@@ -172,8 +179,8 @@ class AsyncLLM:
         try:
             while True:
                 item = await queue.get()
-                if item is _DONE:
-                    return
+                if item is _DONE:  # the engine no longer knew it, and had no output for it
+                    raise IncompleteRequestError(f"request {rid!r} ended without its final output")
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -298,8 +305,7 @@ class AsyncLLM:
             if isinstance(cmd, AddRequest):
                 self._add(cmd)
             elif isinstance(cmd, AbortRequest):
-                if not self.engine.abort_request(cmd.request_id):
-                    self._deliver(cmd.request_id, _DONE, last=True)
+                self._abort_in_engine(cmd.request_id)
             else:
                 raise TypeError(f"not an engine-thread command: {cmd!r}")
 
@@ -336,10 +342,18 @@ class AsyncLLM:
             sched.config = dataclasses.replace(self._full_budget, max_num_batched_tokens=budget)
         return True
 
+    def _abort_in_engine(self, rid: str) -> None:
+        """Abort ``rid`` in the engine; its final output ("abort") goes out with the next step.
+        One the engine ended already (aborted twice) has its final output pending: the caller
+        gets that. Only a request the engine has no trace of closes its caller's stream."""
+        if self.engine.abort_request(rid):
+            return
+        if not any(out.request_id == rid for out in self.engine.out.pending):
+            self._deliver(rid, _DONE, last=True)
+
     def _abort_all(self) -> None:
         for rid in list(self._sinks):
-            if not self.engine.abort_request(rid):
-                self._deliver(rid, _DONE, last=True)
+            self._abort_in_engine(rid)
         for out in self.engine.step():  # only the pending abort outputs: nothing is left to run
             self._deliver(out.request_id, out, last=out.finished)
 

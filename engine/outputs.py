@@ -37,7 +37,9 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # "stop" | "length" | "abort" (its caller, or the server's shutdown, aborted it) | "error"
+    # (it failed: stop_reason says why, e.g. "grammar_refused"; the servers answer 503)
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)

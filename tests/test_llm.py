@@ -166,3 +166,35 @@ def test_step_budget_is_the_cpu_default_when_unset(llm):
     assert llm.engine.scheduler.config.max_num_batched_tokens == 1024
     long = llm.generate(["word " * 1500], SamplingParams(max_tokens=2))[0]  # 2 chunks
     assert len(long.outputs[0].token_ids) == 2
+
+
+def _fail_forward_once(llm, monkeypatch, after: int = 0):
+    """The step's forward raises once, after ``after`` good steps (a kernel's error)."""
+    run = llm.engine.forward.run
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == after + 1:
+            raise RuntimeError("boom in the forward")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.forward, "run", failing)
+
+
+@pytest.mark.parametrize("api", ["generate", "stream"])
+def test_a_failed_step_raises_and_the_engine_serves_the_same_answer_after(llm, monkeypatch, api):
+    """How an embedded request ends when a step fails: the exception reaches the caller (no
+    output that passes for an answer), nothing is left running, and the same request then gets
+    the same answer as before the fault."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = text(llm.generate(PROMPT, params)[0])
+    _fail_forward_once(llm, monkeypatch, after=2)
+    with pytest.raises(RuntimeError, match="boom in the forward"):
+        if api == "generate":
+            llm.generate([PROMPT, "Hello"], params)
+        else:
+            list(llm.stream(PROMPT, params))
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    assert text(llm.generate(PROMPT, params)[0]) == want

@@ -28,6 +28,9 @@ logger = logging.getLogger("engine")
 
 HANDED_OVER = "handed_over"  # finish reason of a choice that goes on in another engine
 STAGE_DONE = "stage_done"  # finish reason on a pipeline stage short of the last: prompt ran
+# A choice that failed: finish reason "error", its stop reason says why. The servers answer 503.
+ERROR = "error"
+GRAMMAR_REFUSED = "grammar_refused"  # its grammar refused a token sampled without it
 
 
 class FirstToken(NamedTuple):
@@ -139,7 +142,7 @@ class OutputProcessor:
         if req.grammar is not None and not req.grammar.accept(token):
             # Only a token sampled elsewhere without the constraint gets here.
             logger.error("%s: token %d is not allowed by its grammar", req.request_id, token)
-            self.finish(req, "abort")
+            self.finish(req, ERROR, GRAMMAR_REFUSED)
             return
         req.append_token(token)
         if lp is not None and req.logprobs is not None:

@@ -31,7 +31,7 @@ from engine.server.openai_protocol import (
     CompletionRequest,
 )
 from engine.server.openai_structured import in_field
-from engine.server.streams import RequestStreams
+from engine.server.streams import RequestStreams, check_whole, moved_once
 from engine.server.token_text import TokenText, clamp
 from engine.server.tokenize_pool import check_prompt_chars
 from engine.server.tool_calls import ToolCallStream, calls_json, finish_reason, parse_reply
@@ -245,6 +245,8 @@ class OpenAIServing:
                 finals[i] = out
         finally:
             await streams.aclose()
+        for i in finals:
+            check_whole(finals[i], job.id)
         choices = []
         for i in sorted(finals):
             for c in finals[i].outputs:
@@ -317,13 +319,14 @@ class OpenAIServing:
         started: set[int] = set()
         offsets: dict[int, TextCursor] = {}
         tool_streams: dict[int, ToolCallStream] = {}
+        ended: set[int] = set()  # choices whose last chunk (with their finish reason) went out
         try:
             async for i, out in streams:
                 finals[i] = out
                 parts = [
                     sse(self._chunk(job, i, c, started, offsets, tool_streams, out.prompt_logprobs))
                     for c in out.outputs
-                    if c.new_token_ids or c.new_text or c.finish_reason
+                    if moved_once(c, i * job.params.n + c.index, ended)
                 ]
                 if parts:
                     yield b"".join(parts)

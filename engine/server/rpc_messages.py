@@ -23,7 +23,10 @@ op answers: ``aborted``; ``healthy``, ``model``, ``max_model_len``, ``num_calls`
 Any failure is one ``error`` reply, ``{"error": {"message", "type", "param", "code"}}`` with
 HTTP-like codes (400 bad input, with ``param`` the field at fault; 413 too large, 429
 overloaded, 503 shutting down, 408 deadline passed, 500 an internal error, whose message names
-only its type).
+only its type). A call whose request ended without its whole answer (its outputs stopped short,
+an engine's own finish reason, or a ``generate`` that the server's shutdown aborted) gets a 503
+error naming why; a ``stream`` cut by the shutdown ends on a chunk with finish_reason "abort",
+and one the client aborted (the ``abort`` op) gets "abort" as its answer, streamed or not.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from engine.server import rpc_messages as r
 from engine.server.errors import APIError, to_api_error
 from engine.server.openai_protocol import MAX_N
 from engine.server.rpc_client import DEFAULT_ADDRESS
+from engine.server.streams import check_whole, checked, moved_once
 from engine.server.tokenize_pool import Offloader, check_prompt_chars
 
 logger = logging.getLogger("engine.server.rpc")
@@ -57,6 +58,7 @@ class _Call:
     stream: bool
     task: asyncio.Task | None = None
     expired: bool = False
+    aborted: bool = False  # its client asked (an abort op): "abort" is then its answer
 
 
 def rpc_params(raw) -> SamplingParams:
@@ -169,7 +171,8 @@ class RPCServer:
             await self.llm.shutdown(timeout=self.drain_timeout)  # finishes or aborts them all
         elif tasks:
             await asyncio.wait(tasks, timeout=self.drain_timeout)
-        if tasks:  # let the calls send their last replies (finish_reason "abort")
+        if tasks:  # let the calls send their last replies (a stream's finish_reason "abort"; a
+            # whole result cut short: a 503 error)
             await asyncio.wait(tasks, timeout=1.0)
         for t in tasks:
             t.cancel()  # aborts the engine request (no-op if finished)
@@ -255,18 +258,20 @@ class RPCServer:
                 prompt = await self._offload(self.llm.tokenizer.encode, prompt)
             if params.structured_outputs is not None:  # compiled off this loop, then cached
                 await self.llm.compile_grammar(params)
-            gen = self.llm.generate(
-                prompt, params, request_id=call.engine_id, cache_salt=salt, priority=priority
+            gen = checked(  # an output stream cut short, an engine's own finish reason: 503
+                self.llm.generate(
+                    prompt, params, request_id=call.engine_id, cache_salt=salt, priority=priority
+                ),
+                call.request_id,
             )
+            ended: set[int] = set()  # choices whose last chunk went out (a finish reason once)
             async with aclosing(gen):
                 async for out in gen:
                     last = out
                     if not call.stream:
                         continue
                     moved = [
-                        output_to_wire(c)
-                        for c in out.outputs
-                        if c.new_token_ids or c.new_text or c.finish_reason
+                        output_to_wire(c) for c in out.outputs if moved_once(c, c.index, ended)
                     ]
                     chunk = r.Chunk(call.call_id, call.request_id, moved)
                     if moved and not self._send(call.peer, chunk):
@@ -274,7 +279,10 @@ class RPCServer:
             if call.stream:
                 self._send(call.peer, r.Done(call.call_id, call.request_id, _usage(last)))
             else:
-                outputs = [output_to_wire(c, delta=False) for c in last.outputs] if last else []
+                assert last is not None  # checked: it ended on a finished output
+                if not call.aborted:  # the server's shutdown aborted it: no partial answer
+                    check_whole(last, call.request_id)
+                outputs = [output_to_wire(c, delta=False) for c in last.outputs]
                 reply = r.Result(call.call_id, call.request_id, outputs, _usage(last))
                 self._send(call.peer, reply)
         except asyncio.CancelledError:
@@ -289,6 +297,7 @@ class RPCServer:
     def _abort(self, peer, msg: r.Abort) -> None:
         call = self._calls.get((peer[0], msg.request_id))
         if call is not None:
+            call.aborted = True
             asyncio.ensure_future(self.llm.abort(call.engine_id))
         self._send(peer, r.Ok(msg.id, aborted=call is not None))
 

@@ -135,7 +135,8 @@ class Phases:
                 req.phase_deadline = time.monotonic() + self.cfg.request_timeout_s
             else:
                 self._abort_legs(req)
-                self._fail(req, RuntimeError(f"KV transfer failed: {msg.reason}"))
+                why = f"request {req.request_id}: KV transfer failed: {msg.reason}"
+                self._fail(req, ClusterUnavailableError(why))  # 503 naming it
         elif isinstance(msg, m.RequestError):
             if wid not in (*req.legs, req.decode):
                 return

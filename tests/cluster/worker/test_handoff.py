@@ -138,11 +138,16 @@ def test_constrained_hand_over_equals_colocated(engines, params):
     decode.check_integrity()
 
 
-def test_a_first_token_the_grammar_refuses_aborts_the_choice(engines):
+def test_a_first_token_the_grammar_refuses_fails_the_choice(engines):
+    """It ends as a failure that says why ("error", "grammar_refused": a 503 in front of a
+    client), not as "abort", which a stream passes on as a cancelled request."""
     _, decode = engines
     params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"choice": ["a"]})
     bad = decode.tokenizer.encode("zebra")[0]
     assert decode.add_prefilled(PROMPT, params, "refused", [FirstToken(bad)]) == []
     out = finish(decode, "refused")
-    assert out.outputs[0].finish_reason == "abort"
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == (
+        "error",
+        "grammar_refused",
+    )
     assert decode.kv.pool.counts().used == 0
