@@ -131,6 +131,7 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_compiler_lock = threading.Lock()  # the servers' threads make it too
         self.num_steps = 0
+        self.last_step_decode_only = False  # the last step ran one token of each request (step)
         self.step_times = StepTimes()
 
     @property
@@ -337,6 +338,10 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        # One token of each request's own (and its drafts): a decode step, not a prefill chunk.
+        self.last_step_decode_only = bool(sched.scheduled) and all(
+            s.num_real_tokens == 1 for s in sched.scheduled
+        )
         outputs += self.out.ended(sched.ended)  # a stage's prefix_exact request with no prefix
         if sched.empty:
             if self.scheduler.loading and not outputs:

@@ -118,3 +118,20 @@ def test_async_front_serves_concurrent_callers_and_aborts_on_close(prompts, refe
         llm.engine.check_integrity()
     finally:
         llm.close()
+
+
+def test_a_step_says_whether_it_only_decoded(prompts):
+    """LLMEngine.last_step_decode_only: what a decode worker's heartbeats may time as decode
+    steps for the Conductor's TBT model (a recompute's prefill chunks are not: a chaos run
+    taught the model 2.4 s steps from them, and the router refused every request)."""
+    engine = make_engine(max_tokens=16)
+    engine.add_request(prompts[0], GREEDY, request_id="a")
+    chunks = -(-len(prompts[0]) // 16)  # the prompt in chunks of 16, the last one samples
+    seen = []
+    for _ in range(chunks + 2):
+        engine.step()
+        seen.append(engine.last_step_decode_only)
+    assert seen == [False] * chunks + [True, True]
+    engine.add_request(prompts[1], GREEDY, request_id="b")  # a prefill chunk beside a's decode
+    engine.step()
+    assert not engine.last_step_decode_only

@@ -395,7 +395,7 @@ class Conductor:
         cfg = self.config
         if ttft_s > cfg.ttft_slo_s:
             return pl.REJECT_TTFT
-        if cfg.rejection == "none":
+        if cfg.rejection == "none" or self._decode_pool_idle():
             return ""
         predict = self.tbt_model.predict
         if cfg.rejection == "early":
@@ -409,6 +409,14 @@ class Conductor:
                 for d, s in self._decodes.items()
             ]
         return pl.REJECT_TBT if pool_load(tbts, cfg.tbt_slo_s) > 1.0 else ""
+
+    def _decode_pool_idle(self) -> bool:
+        """No decode instance runs or expects a request: the pool is not loaded, so the TBT
+        rejection (load control) lets a request in whatever the model says. Refusing it would
+        serve nobody and teach the model nothing: an estimate once fitted on slow steps (a
+        recompute's prefill, a busy host) would refuse every request of an idle cluster for
+        good, as the trace chaos run found (docs/reliability.md)."""
+        return all(not s.running and not s.incoming for s in self._decodes.values())
 
     # -- what happened -----------------------------------------------------------------------------
 

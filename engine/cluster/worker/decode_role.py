@@ -282,7 +282,8 @@ class DecodeRole(Role):
         batch, tokens = len(running), sum(r.num_tokens for r in running)
         t0 = time.perf_counter()
         outputs = self.engine.step()
-        self.step_stats.add(time.perf_counter() - t0, batch, tokens)
+        if self.engine.last_step_decode_only:  # a recompute's prefill chunks are no TBT
+            self.step_stats.add(time.perf_counter() - t0, batch, tokens)
         self.after_step(outputs)
         return False
 

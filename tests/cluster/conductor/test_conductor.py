@@ -324,9 +324,29 @@ def test_tbt_model_leaves_its_prior_on_fed_decode_steps():
         c.on_decode_progress("D", float(i), batch, tokens, step_s(batch, tokens))
     assert c.tbt_model.fitted
     assert c.tbt_model.predict(4, 2000) == pytest.approx(step_s(4, 2000), rel=0.02)
-    # ...so early rejection now refuses what it accepted before.
+    # ...so early rejection now refuses what it accepted before, once the pool holds a request
+    # (an idle pool lets one in: test_an_idle_decode_pool_is_never_refused_for_tbt).
+    assert c.decide("running", keys("y", 1), 100, 20.0).accepted
+    c.on_prefill_done("running", 20.0)
     d = c.decide("after", keys("x", 1), 100, 20.0)
     assert not d.accepted and d.reason == REJECT_TBT
+
+
+@pytest.mark.parametrize("rejection", ["early", "predicted"])
+def test_an_idle_decode_pool_is_never_refused_for_tbt(rejection):
+    """The trace chaos run's lockout: the TBT model fitted on 2.4 s steps (a recompute's prefill
+    timed as decode) refused every request, the idle cluster's too, and with nothing admitted no
+    step could correct it. An idle decode pool is not loaded: it admits; a loaded one refuses."""
+    c = make("load", rejection=rejection, tbt_slo_s=1.0, tbt_refit_every=16)
+    for i in range(32):
+        c.on_decode_progress("D", float(i), 1 + i % 2, 20000.0 + 100 * i, 2.4)
+    assert c.tbt_model.fitted and c.tbt_model.predict(1, 100) > 1.0
+    d = c.decide("alone", keys("a", 1), 100, 40.0)
+    assert d.accepted, d
+    d = c.decide("second", keys("b", 1), 100, 40.0)  # "alone" is on its way to D
+    assert not d.accepted and d.reason == REJECT_TBT
+    c.on_request_finished("alone", 41.0)
+    assert c.decide("third", keys("c", 1), 100, 42.0).accepted
 
 
 def test_a_copy_from_a_busy_prefill_instance_counts_its_wait():
