@@ -22,6 +22,10 @@
    int8 caches: the panels hold the int8 values (exact); a key's scale multiplies its scores, a
    value row's scale the probabilities that weight it.
 
+   A bf16 step over a bf16 cache on AVX512-BF16 takes gemm.h's vdpbf16ps chain instead, for
+   both products: the scores over pairs of dims (tiles_scores_bf16), P V over pairs of keys with
+   the probabilities rounded to bf16 (tiles_values_bf16). The same argument holds for its rows.
+
    Packing costs one pass over the chunk's K and V per call, shared by all its rows: with many
    rows (a prefill chunk's block) it is a few percent of the arithmetic; a decode row pays it
    alone, as it paid for reading the keys before. */
@@ -251,6 +255,54 @@ static inline void tiles_scores_bf16(const Args *a, const int *rows, int R, int 
     for (int m = 0; m < M; m++)
         for (int j = 0; j < n; j++) s[(size_t)m * CHUNK + j] *= a->scale;
 }
+
+/* The same step's P V as the vdpbf16ps chain over pairs of keys (2i, 2i+1) from the chunk's
+   start: each probability rounded to bf16 (round to nearest even; in place, row m's bf16 values
+   in the first half of its score row), V in pair panels vq[c][i][e] = (V[2i][16c + e],
+   V[2i + 1][16c + e]) as they lie in the cache (exact), a zero key past an odd n. A probability
+   of 0 (a key past the row's causal count) adds exactly nothing, so a row's bits stay its own.
+   The rounding moves each weight by at most 2^-9 of itself, as llama.cpp's flash attention
+   rounds its to float16; the normaliser l stays the float32 sum. */
+static inline void tiles_values_bf16(const Args *a, int M, const int64_t *offs, int n, float *s,
+                                     uint32_t *vq, float *o) {
+    const int D = a->dim, n2 = (n + 1) / 2, panels = D / TILE_KEYS;
+    const uint16_t *v = (const uint16_t *)a->v;
+    for (int i = 0; i < n2; i++) {
+        const uint16_t *r0 = v + offs[2 * i], *r1 = 2 * i + 1 < n ? v + offs[2 * i + 1] : NULL;
+        for (int c = 0; c < panels; c++) {
+            const __m512i lo = _mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)(r0 + c * TILE_KEYS)));
+            const __m512i hi = r1 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                          (const __m256i *)(r1 + c * TILE_KEYS))),
+                                                      16)
+                                  : _mm512_setzero_si512();
+            _mm512_storeu_si512((void *)(vq + ((size_t)c * n2 + i) * TILE_KEYS),
+                                _mm512_or_si512(lo, hi));
+        }
+    }
+    for (int m = 0; m < M; m++) { /* forwards: each store lands where the loads have been */
+        float *sr = s + (size_t)m * CHUNK;
+        uint16_t *pb = (uint16_t *)sr;
+        if (n & 1) sr[n] = 0.f;
+        for (int j = 0; j < 2 * n2; j += TILE_KEYS) {
+            const int left = 2 * n2 - j;
+            const __mmask16 k = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, sr + j));
+            _mm256_mask_storeu_epi16((void *)(pb + j), k, (__m256i)h);
+        }
+    }
+    const int64_t pstride = (int64_t)n2 * TILE_KEYS * 4; /* bytes per pair panel */
+    for (int c = 0; c < panels; c += 2) {
+        const int np = panels - c < 2 ? panels - c : 2;
+        const char *pp = (const char *)vq + (size_t)c * pstride;
+        if (np == 2)
+            gemm_rows_bf16((const uint16_t *)s, 2 * CHUNK, M, 2, pp, pstride, n2,
+                           o + c * TILE_KEYS, D, 2 * TILE_KEYS, 0);
+        else
+            gemm_rows_bf16((const uint16_t *)s, 2 * CHUNK, M, 1, pp, pstride, n2,
+                           o + c * TILE_KEYS, D, TILE_KEYS, 0);
+    }
+}
 #endif
 
 /* Query rows rows[0..R) of one sequence (block table row `table`), the G query heads of KV head
@@ -289,7 +341,7 @@ static inline void tiles_chunk(const Args *a, const int32_t *table, const int *r
                    n);
     }
     tiles_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, n, offs);
-    tiles_pack_values(a->kdt, a->v, offs, n, D, vp, vsc);
+    if (!bf16) tiles_pack_values(a->kdt, a->v, offs, n, D, vp, vsc);
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             float *sr = s + (size_t)(r * G + g) * CHUNK, *pr = parts + part * (size_t)r;
@@ -301,7 +353,12 @@ static inline void tiles_chunk(const Args *a, const int32_t *table, const int *r
                 for (int j = 0; j < ns[r]; j++) sr[j] *= vsc[j];
             for (int j = ns[r]; j < n; j++) sr[j] = 0.f;
         }
-    tiles_gemm(s, CHUNK, M, vp, (int64_t)n * TILE_KEYS, D16 / TILE_KEYS, n, o, D, D);
+#if defined(GEMM_BF16DOT)
+    if (bf16)
+        tiles_values_bf16(a, M, offs, n, s, (uint32_t *)vp, o);
+    else
+#endif
+        tiles_gemm(s, CHUNK, M, vp, (int64_t)n * TILE_KEYS, D16 / TILE_KEYS, n, o, D, D);
     for (int r = 0; r < R; r++)
         memcpy(parts + part * (size_t)r + (size_t)kh * G * D, o + (size_t)r * G * D,
                sizeof(float) * (size_t)G * D);
