@@ -116,6 +116,7 @@ class DecodeReady(Message, kind="decode_ready"):
     offset: int  # of the request's staging area in the arena
     nbytes: int
     error: str | None = None  # staging full, draining...
+    full: bool = False  # the error is a full staging area: room comes as transfers end
 
 
 class Outputs(Message, kind="outputs"):

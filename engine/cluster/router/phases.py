@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[Worker, m.Message], bool]  # False: the worker could not be reached
 MAX_ABANDONED = 100_000  # attempts remembered per dead worker, to abort should it come back
+# A request refused for room in a decode worker's KV staging area waits this long before it is
+# placed again, doubling up to ROOM_WAIT_MAX_S (an aborted transfer's area is held until its
+# sender stops writing: receiver.py QUARANTINE_S), until its own deadline.
+ROOM_WAIT_S, ROOM_WAIT_MAX_S = 0.25, 4.0
 
 
 class Phases:
@@ -87,7 +91,10 @@ class Phases:
             if wid != req.decode or req.phase != "reserving":
                 return
             if msg.error is not None:
-                self._retry(req, f"decode worker {wid}: {msg.error}")
+                if msg.full:
+                    self._wait_for_room(req, f"decode worker {wid}: {msg.error}")
+                else:
+                    self._retry(req, f"decode worker {wid}: {msg.error}")
                 return
             if req.copy_wait:  # the prefill starts when the copy is in (or late)
                 req.ready, req.phase = (sender, msg), "copying"
@@ -183,6 +190,8 @@ class Phases:
                 self._start_prefill(req, *req.ready)
             elif req.phase in ("reserving", "prefill") and now > req.phase_deadline:
                 self._retry(req, f"no progress in the {req.phase} phase")
+            elif req.phase == "waiting" and now > req.phase_deadline:
+                self._place(req)
 
     # -- the phases -------------------------------------------------------------------------
 
@@ -309,13 +318,28 @@ class Phases:
 
     def _retry(self, req: RouterRequest, why: str) -> None:
         self._abort_legs(req)
-        if req.streamed or req.attempts >= self.cfg.max_retries:
+        if req.streamed or req.attempts - req.waits >= self.cfg.max_retries:
             self._fail(req, ClusterUnavailableError(f"request {req.request_id}: {why}"))
             return
         self.placement.finished(req.wire_id, time.monotonic())  # this attempt is abandoned
         req.attempts += 1
         log.warning("request %s: %s; placing it again", req.request_id, why)
         self._place(req)
+
+    def _wait_for_room(self, req: RouterRequest, why: str) -> None:
+        """The decode worker's KV staging area has no room for this request now: room comes as
+        transfers end, so the request waits (ROOM_WAIT_S, doubling) and is placed anew, until
+        its deadline (then a 408), instead of being refused again at once and failed. Back
+        pressure, not an error: a long prompt's KV is most of the area."""
+        self._abort_legs(req)
+        self.placement.finished(req.wire_id, time.monotonic())  # this attempt is abandoned
+        req.attempts += 1
+        req.waits += 1
+        req.phase = "waiting"
+        wait = min(ROOM_WAIT_MAX_S, ROOM_WAIT_S * 2 ** min(req.waits - 1, 8))
+        req.phase_deadline = time.monotonic() + wait
+        if req.waits == 1:
+            log.info("request %s: %s; waiting for room", req.request_id, why)
 
     def _abort_legs(self, req: RouterRequest) -> None:
         for wid in (*req.legs, req.decode):

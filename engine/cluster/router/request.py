@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from engine.outputs import RequestMetrics, TokenLogprob
 from engine.sampling_params import SamplingParams
 
-PHASES = ("new", "reserving", "copying", "prefill", "decode")
+# "waiting": for room in a decode worker's KV staging area, placed again at phase_deadline
+PHASES = ("new", "waiting", "reserving", "copying", "prefill", "decode")
 DONE = object()  # the last item of a caller's queue when its request ended without an output
 
 
@@ -48,6 +49,7 @@ class RouterRequest:
     # told who writes into its staging area (a proof that comes later does not count: TCP)
     shm_legs: tuple[bool, ...] = ()
     attempts: int = 0
+    waits: int = 0  # of the attempts, those refused for staging room (not counted as retries)
     phase_deadline: float = 0.0
     wire_id: str = ""  # the id workers know this attempt by: request id / attempt
     copy_wait: bool = False  # a block copy to its prefill worker is under way

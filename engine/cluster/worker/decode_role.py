@@ -156,7 +156,7 @@ class DecodeRole(Role):
                 msg.senders, msg.stage_pids, prompt_digest(msg.prompt_token_ids),
             )  # fmt: skip
         except (ValueError, TypeError, MemoryError) as exc:
-            self.emit(m.DecodeReady(rid, 0, 0, error=str(exc)))
+            self.emit(m.DecodeReady(rid, 0, 0, error=str(exc), full=isinstance(exc, MemoryError)))
             return
         priority = engine_priority(self.engine, msg.priority)
         self.expected[rid] = _Expected(list(msg.prompt_token_ids), params, priority)

@@ -66,3 +66,33 @@ def test_a_decode_worker_that_dies_after_the_first_token_is_a_503_naming_it():
     (err,) = run(case)
     assert isinstance(err, ClusterUnavailableError), repr(err)
     assert "worker d0 died" in str(err)
+
+
+def test_a_full_staging_area_makes_the_request_wait_and_go_on_not_fail():
+    """A decode worker whose KV staging area is full (an aborted long transfer's area waits for
+    its sender to stop: the trace chaos run's final pass got a 503 for it) refuses the
+    reservation with ``full``: the request waits and is placed anew, more often than
+    max_retries allows for other refusals, each attempt under a fresh wire id, and goes on."""
+    router = Router(RouterConfig(heartbeat_timeout_s=1.0, max_retries=1))
+    p, d = Scripted(router, "p0", "prefill"), Scripted(router, "d0", "decode")
+    errors: list = []
+    thread = client_thread(router, errors)
+    try:
+        pump_until([p, d], lambda: len(router.workers) == 2, "registration")
+        thread.start()
+        for k in range(3):
+            pump_until([p, d], lambda k=k: len(d.all(m.DecodeRequest)) > k, f"DecodeRequest {k}")
+            wire = d.all(m.DecodeRequest)[k].request_id
+            full = "the KV staging area is full (900 of 1000 bytes held; this request needs 700)"
+            d.send(m.DecodeReady(wire, 0, 0, error=full, full=True))
+        pump_until([p, d], lambda: len(d.all(m.DecodeRequest)) > 3, "the fourth DecodeRequest")
+        wires = [r.request_id for r in d.all(m.DecodeRequest)]
+        assert len(set(wires)) == 4 and not p.first(m.PrefillRequest)
+        d.send(m.DecodeReady(wires[3], 0, 4096))
+        pump_until([p, d], lambda: p.first(m.PrefillRequest), "the PrefillRequest")
+        assert p.first(m.PrefillRequest).request_id == wires[3] and not errors
+    finally:
+        router.close()
+        thread.join(10)
+        for w in (p, d):
+            w.sock.close(linger=0)
