@@ -52,8 +52,45 @@ clean run of the same prompt (greedy, 8 tokens). A text that differs is then jud
 float32 engine (`tests/chaos/oracle.py`): the logit gap, where the texts part, between the
 clean run's token and the served one. Under 1e-3 it is a near-tie that another batch's rounding
 flipped (counted as `near_tie`, not failed; none was seen); anything else is a wrong answer and
-fails the run. Once the forward is batch-invariant (the determinism issue) the comparison is
-exact and every difference is a wrong answer.
+fails the run. The forward is now batch-invariant wherever the C layers serve (the default:
+docs/determinism.md), so the comparison is exact: every difference is a wrong answer, and the
+oracle's gap is only reported.
+
+**The trace at its real scale** (`tests/chaos/trace_chaos.py`, the `trace-seed*` rows): the
+first 10 whole conversations of Mooncake's conversation trace whose turns fit 32k (18 requests,
+inputs 11,618 tokens on average, up to 28,641; 512-token blocks whose ids are kept, so a turn
+shares its earlier turns' prefix), replayed in the trace's order by 2 clients through the same
+processes (pool service with a 256 MiB DRAM tier and an SSD tier on a 256 MiB disk declared
+1 GiB, the router behind HTTP, a prefill worker on 2 threads, a decode worker on 1), the default
+model served to 32k with YaRN (`--rope-scaling`), 32 greedy tokens per request, for 30 minutes
+with a SIGKILL and restart of one role every 40-80 s and KV layer messages dropped, corrupted
+and delayed. The reference is a colocated engine with the workers' options that answered every
+prompt in one batch beforehand: batch-invariant, so every answer must equal it exactly.
+
+Its two 30-minute runs (2026-12-04, a 2-core AMD EPYC Zen 5 with AVX512-BF16, seed 1 each: the
+`trace-seed1-run1` and `-run2` rows) gave no wrong answer, none hung, no error was unclear and
+nothing was left behind; each failed the harness's final pass (every prompt answered again,
+identically) on a clear error that showed a design bug, fixed after it (a run on the code with
+both fixes is still to be made):
+
+- **An idle cluster refusing everything, again, on the TBT side** (first run: 226 identical
+  answers, 2 of them to prompts of 16k tokens and more, but 3,281 of 4,470 requests and one of
+  the final pass got 429 `tbt_slo` with an estimated 2.36 s between tokens). The decode worker
+  timed every engine step for the Conductor's TBT model, the prefill chunks of a recompute too
+  (18 KV transfers failed by the injected faults, each recomputed on the decode worker from a
+  prompt of up to 28k tokens); refused, no request could correct the model. Now only decode
+  steps are reported (`LLMEngine.last_step_decode_only`), and an idle decode pool is never
+  refused for TBT (`tests/cluster/conductor/test_conductor.py`:
+  `test_an_idle_decode_pool_is_never_refused_for_tbt`).
+- **A full KV staging area failed the request instead of holding it back** (second run: no
+  `tbt_slo` refusals, 98 identical answers, 16 of them to prompts of 16k-28k tokens; 39 requests
+  and the final pass's longest prompt got 503 "the KV staging area is full"). An aborted long
+  transfer's area stays reserved until its sender stops writing (`receiver.py` quarantine),
+  and the router placed the request again at once, twice, and failed it. Now the decode worker
+  says its area is full (`DecodeReady.full`) and the router makes the request wait and places
+  it anew, until its deadline
+  (`tests/cluster/router/test_router_endings.py`:
+  `test_a_full_staging_area_makes_the_request_wait_and_go_on_not_fail`).
 
 The long runs in the table (2026-12-03, a 2-core AMD EPYC Zen 3, AVX2 only): seeds 4-10 and the
 three under a process spinning on one core (`--hog`) at commit b809949 (before the arena

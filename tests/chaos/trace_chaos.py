@@ -147,14 +147,12 @@ def _completed_by_length(chaos: TraceChaos, lengths: list[int]) -> dict:
 
 def describe_trace(cfg: ChaosConfig, s: dict) -> str:
     t = s["trace"]
+    chaos = describe(cfg).replace(f", {cfg.clients} clients of greedy shared-prefix requests", "")
     return (
         f"the conversation trace at its real scale ({t['conversations']} conversations, "
         f"{t['requests']} requests, inputs {t['input_tokens_mean']:,} tokens on average, up to "
-        f"{t['input_tokens_max']:,}; {cfg.max_tokens} greedy tokens each) in order by "
-        + describe(cfg)
-        .replace(", 3 clients of greedy shared-prefix requests", "")
-        .replace(f", {cfg.clients} clients of greedy shared-prefix requests", "")
-        + f", {cfg.clients} clients; every answer against a colocated engine's"
+        f"{t['input_tokens_max']:,}; {cfg.max_tokens} greedy tokens each) replayed in its order by "
+        f"{cfg.clients} clients under {chaos}; every answer against a colocated engine's"
     )
 
 
