@@ -5,6 +5,8 @@ real ZeroMQ sockets driven from this thread; no model runs."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from engine.cluster import messages as m
 from engine.cluster.router.config import ClusterUnavailableError
 from engine.cluster.router.router import Router, RouterConfig
@@ -27,22 +29,30 @@ def first_token_sent(router, p, d) -> str:
     return req.request_id
 
 
-def run(case) -> list:
-    router = Router(RouterConfig(heartbeat_timeout_s=1.0))
+@contextmanager
+def client_request(config: RouterConfig):
+    """A router with a scripted prefill worker p0 and decode worker d0, registered, and a
+    client's request "r" under way: (router, p, d, errors), its error landing in errors."""
+    router = Router(config)
     p, d = Scripted(router, "p0", "prefill"), Scripted(router, "d0", "decode")
     errors: list = []
     thread = client_thread(router, errors)
     try:
         pump_until([p, d], lambda: len(router.workers) == 2, "registration")
         thread.start()
-        case(router, p, d, first_token_sent(router, p, d))
-        pump_until([p, d], lambda: errors, "the request's error")
+        yield router, p, d, errors
     finally:
-        thread.join(10)
         router.close()
+        thread.join(10)
         for w in (p, d):
             w.sock.close(linger=0)
-    return errors
+
+
+def run(case) -> list:
+    with client_request(RouterConfig(heartbeat_timeout_s=1.0)) as (router, p, d, errors):
+        case(router, p, d, first_token_sent(router, p, d))
+        pump_until([p, d], lambda: errors, "the request's error")
+        return list(errors)
 
 
 def test_a_kv_transfer_that_failed_without_recompute_is_a_503_naming_it():
@@ -73,13 +83,8 @@ def test_a_full_staging_area_makes_the_request_wait_and_go_on_not_fail():
     its sender to stop: the trace chaos run's final pass got a 503 for it) refuses the
     reservation with ``full``: the request waits and is placed anew, more often than
     max_retries allows for other refusals, each attempt under a fresh wire id, and goes on."""
-    router = Router(RouterConfig(heartbeat_timeout_s=1.0, max_retries=1))
-    p, d = Scripted(router, "p0", "prefill"), Scripted(router, "d0", "decode")
-    errors: list = []
-    thread = client_thread(router, errors)
-    try:
-        pump_until([p, d], lambda: len(router.workers) == 2, "registration")
-        thread.start()
+    config = RouterConfig(heartbeat_timeout_s=1.0, max_retries=1)
+    with client_request(config) as (router, p, d, errors):
         for k in range(3):
             pump_until([p, d], lambda k=k: len(d.all(m.DecodeRequest)) > k, f"DecodeRequest {k}")
             wire = d.all(m.DecodeRequest)[k].request_id
@@ -91,8 +96,3 @@ def test_a_full_staging_area_makes_the_request_wait_and_go_on_not_fail():
         d.send(m.DecodeReady(wires[3], 0, 4096))
         pump_until([p, d], lambda: p.first(m.PrefillRequest), "the PrefillRequest")
         assert p.first(m.PrefillRequest).request_id == wires[3] and not errors
-    finally:
-        router.close()
-        thread.join(10)
-        for w in (p, d):
-            w.sock.close(linger=0)
