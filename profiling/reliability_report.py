@@ -70,8 +70,9 @@ prompt in one batch beforehand: batch-invariant, so every answer must equal it e
 Its two 30-minute runs (2026-12-04, a 2-core AMD EPYC Zen 5 with AVX512-BF16, seed 1 each: the
 `trace-seed1-run1` and `-run2` rows) gave no wrong answer, none hung, no error was unclear and
 nothing was left behind; each failed the harness's final pass (every prompt answered again,
-identically) on a clear error that showed a design bug, fixed after it (a run on the code with
-both fixes is still to be made):
+identically) on a clear error that showed a design bug, fixed after it. A 15-minute run on the
+code with both fixes (the `trace-seed1` row) passed every check: no `tbt_slo` refusal, no full
+staging area, every prompt of the final pass answered identically:
 
 - **An idle cluster refusing everything, again, on the TBT side** (first run: 226 identical
   answers, 2 of them to prompts of 16k tokens and more, but 3,281 of 4,470 requests and one of
