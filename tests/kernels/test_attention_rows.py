@@ -99,6 +99,8 @@ from test_attention_rows import rows, sequences
 from engine.kernels import native
 q, k, v, tables, seq, causal = sequences([600, 40], torch.float32, kv_dtype=torch.bfloat16)
 out = [rows(q, k, v, tables, seq, causal, range(640)), rows(q, k, v, tables, seq, causal, [599])]
+q, k, v, tables, seq, causal = sequences([600, 40], torch.bfloat16, kv_dtype=torch.int8)
+out += [rows(q, k, v, tables, seq, causal, range(640)), rows(q, k, v, tables, seq, causal, [599])]
 torch.save({"path": native.attention_path(), "out": out}, sys.argv[1])
 """
 
@@ -106,7 +108,8 @@ torch.save({"path": native.attention_path(), "out": out}, sys.argv[1])
 def test_the_avx2_class_gives_this_cpus_bits(tmp_path):
     # the chunk is two fixed-order GEMMs (gemm.h: one chain per output on every class) around
     # one softmax: a CPU capped to the AVX2 class computes the same bits as this one's build
-    # (float32 queries over a bf16 cache: a bf16 step on AVX512-BF16 has its own chain)
+    # (float32 queries over a bf16 cache: a bf16 step on AVX512-BF16 has its own chain; over
+    # an int8 cache any step: its products are exact integer sums)
     import os
     import subprocess
     import sys
@@ -127,3 +130,35 @@ def test_the_avx2_class_gives_this_cpus_bits(tmp_path):
     q, k, v, tables, seq, causal = sequences([600, 40], torch.float32, kv_dtype=torch.bfloat16)
     assert torch.equal(capped["out"][0], rows(q, k, v, tables, seq, causal, range(640)))
     assert torch.equal(capped["out"][1], rows(q, k, v, tables, seq, causal, [599]))
+    # an int8 cache: exact integer sums (attention_i8.h), so a bf16 step agrees across classes too
+    q, k, v, tables, seq, causal = sequences([600, 40], torch.bfloat16, kv_dtype=torch.int8)
+    assert torch.equal(capped["out"][2], rows(q, k, v, tables, seq, causal, range(640)))
+    assert torch.equal(capped["out"][3], rows(q, k, v, tables, seq, causal, [599]))
+
+
+@pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3", "x86-64"])
+def test_an_int8_cache_gives_the_same_products_on_every_build(tmp_path, monkeypatch, march):
+    # attention_i8.h: an int8 cache's scores and weighted sums are exact integer sums, whatever
+    # computes them: AVX-512 without VNNI (vpmaddwd + vpaddd), AVX2, the plain loops. The vector
+    # builds give this build's bits; the plain one too up to its softmax's order of summing.
+    import platform
+    import subprocess
+
+    from engine.kernels.native import _HERE, FLAGS, SOURCES, load_library
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("these builds target x86-64")
+    q, k, v, tables, seq, causal = sequences([600, 40], torch.float32, kv_dtype=torch.int8)
+    here = rows(q, k, v, tables, seq, causal, range(640))
+    lib_path = tmp_path / f"native-{march}.so"
+    subprocess.run(
+        [native.compiler(), *FLAGS, f"-march={march}", *(str(_HERE / s) for s in SOURCES), "-o",
+         str(lib_path), "-lm"],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    monkeypatch.setattr(native, "library_for", lambda **_: load_library(lib_path))
+    got = rows(q, k, v, tables, seq, causal, range(640))
+    if march == "x86-64":
+        torch.testing.assert_close(got, here, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, here)

@@ -126,6 +126,8 @@ def test_a_cache_of_any_kv_dtype_matches_the_reference_and_is_batch_invariant(
     together = decode_attention_native(q, k_cache, v_cache, bt, lens_t, scale)
     ref = decode_attention_ref(q, k_cache, v_cache, bt, lens_t, scale)
     tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else TOL[dtype]
+    if kv_dtype == torch.int8 and dtype == torch.float32:  # int16 queries and weights
+        tol = dict(rtol=1e-4, atol=1e-4)  # (attention_i8.h: 2^-16 of each row's largest)
     torch.testing.assert_close(together, ref, **tol)
     for b in range(len(lens)):
         alone = decode_attention_native(

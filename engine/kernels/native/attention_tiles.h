@@ -41,10 +41,12 @@
 
 static inline int tiles_round16(int n) { return (n + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS; }
 
-/* Floats of scratch that tiles_chunk needs for R query rows. */
+/* Floats of scratch that tiles_chunk needs for R query rows (an int8 cache: also the query
+   rows' and weights' scales, the int32 scores and sums and the int16 rows of attention_i8.h). */
 static inline size_t tiles_scratch_floats(const Args *a, int R) {
     const size_t M = (size_t)R * (size_t)(a->heads / a->kv_heads), D = (size_t)a->dim;
-    return 2 * M * D + M * CHUNK + (size_t)CHUNK * D + (size_t)CHUNK * tiles_round16(a->dim);
+    const size_t i8 = a->kdt == DT_I8 ? 2 * M + M * CHUNK + M * D + M * CHUNK / 2 : 0;
+    return 2 * M * D + M * CHUNK + (size_t)CHUNK * D + (size_t)CHUNK * tiles_round16(a->dim) + i8;
 }
 
 /* offs[i]: element offset of token t0 + i's row for KV head kh (i < n). */
@@ -305,6 +307,9 @@ static inline void tiles_values_bf16(const Args *a, int M, const int64_t *offs, 
 }
 #endif
 
+/* An int8 cache's chunk in exact integer arithmetic (uses the helpers above). */
+#include "attention_i8.h"
+
 /* Query rows rows[0..R) of one sequence (block table row `table`), the G query heads of KV head
    kh, over the chunk at t0: row r over its first ns[r] keys. Row r's part (acc [heads, dim],
    m [heads], l [heads]) for those heads at parts + r * part. scratch: tiles_scratch_floats. */
@@ -316,6 +321,10 @@ static inline void tiles_chunk(const Args *a, const int32_t *table, const int *r
     int n = 0;
     for (int r = 0; r < R; r++) n = ns[r] > n ? ns[r] : n;
     if (n == 0) return;
+    if (i8a_applies(a)) {
+        tiles_chunk_i8(a, table, rows, ns, R, kh, t0, n, scratch, parts, part);
+        return;
+    }
     float *q = scratch, *s = q + (size_t)M * D, *kp = s + (size_t)M * CHUNK;
     float *vp = kp + (size_t)CHUNK * D, *o = vp + (size_t)CHUNK * D16;
     int64_t offs[CHUNK];
