@@ -4,6 +4,8 @@
     .venv/bin/python profiling/bench_peer.py --llama-server /path/to/llama-server
     .venv/bin/python profiling/bench_peer.py --workloads chat --engine-args "--dtype float32"
     .venv/bin/python profiling/bench_peer.py --workloads long --skip-hf --llama-server PATH
+    .venv/bin/python profiling/bench_peer.py --workloads trace trace-arrivals --skip-hf \\
+        --llama-server PATH
 
 Workloads (streamed /v1/completions over HTTP, chat-formatted prompts sent as token ids, fixed
 output length with ignore_eos; warm-up requests first):
@@ -22,13 +24,20 @@ output length with ignore_eos; warm-up requests first):
   kept: later turns share earlier turns' prefixes), the first 6 whole conversations whose turns
   all fit the default model (8,000 tokens), one request at a time in the trace's order, 32
   output tokens each (not by default).
+- ``trace-arrivals``: the same turns at the trace's own concurrency: each sent at its timestamp
+  in the trace, compressed ``--arrival-speedup`` times (default 4: the 6 conversations' 732 s of
+  trace time become 183 s), whatever else is in flight, but not before the turn before it in its
+  conversation has finished (engine/bench/trace.py send_turns says why); TTFT from the send.
+  The first 6 turns all arrive at the trace's start. Not by default.
 
-llama-server runs with the model's GGUF, 16 slots (``-np``), continuous batching and the same
-thread count; transformers runs float32 (its reference dtype) `generate` on padded batches of 16
-(static batching; TTFT = until its batch's first token). Ratios are against llama-server when it
-ran. ``--rounds N`` runs each workload N times (new prompts each time: seed + round),
-llama-server and the engine in turn, the order reversed every other round, and reports each
-round and the medians: on a shared machine one run of each drifts by 10-20%. Building
+llama-server runs with the model's GGUF, 16 slots (``-np``; for ``trace-arrivals`` one per
+conversation where that is more: at most one turn of each is in flight), continuous batching,
+its defaults otherwise (its host prompt cache on) and the same thread count; transformers runs
+float32 (its reference dtype) `generate` on padded batches of 16 (static batching; TTFT = until
+its batch's first token; not for ``trace-arrivals``, which has no batches). Ratios are against
+llama-server when it ran. ``--rounds N`` runs each workload N times (new prompts each time: seed +
+round), llama-server and the engine in turn, the order reversed every other round, and reports
+each round and the medians: on a shared machine one run of each drifts by 10-20%. Building
 llama-server: see docs/cpu.md ("Comparing with llama.cpp").
 """
 
@@ -50,12 +59,19 @@ from engine.bench.machine import ceilings
 from engine.bench.serve import load_tokenizer
 from engine.bench.servers import Server, chat_ids, gguf_file, stream_completion, thread_env
 from engine.bench.summary import median_over_rounds, round_order
-from engine.bench.trace import real_scale_conversations
+from engine.bench.trace import real_scale_conversations, real_scale_turns, send_turns
 from engine.bench.workload import WORDS
 from engine.ipc.ports import free_port
 
 CONCURRENCY = 16
 TRACE_MAX_INPUT = 8000  # the ``trace`` workload's longest turn: the default model's 8,192 less room
+# ``trace-arrivals``' default time compression. The 6 conversations' 10 turns (51,812 prompt
+# tokens) span 732 s of the trace: 4x faster, 183 s, about 280 prompt tokens/s on average. One
+# at a time (``trace``) the 2-core machines served the same turns in 38-166 s (the engine) and
+# 145-320 s (llama-server; docs/benchmarks.md), so the offered load is 0.2-1.8x what either
+# server does, on both CPU classes: concurrent, neither idle nor swamped. At 1x one server's run
+# alone would take over 12 minutes.
+TRACE_SPEEDUP = 4.0
 LONG_BODY = 7900  # tokens of a ``long`` prompt's text (re-encoded in the chat template: ~7,100)
 LONG32K_BODY = 34500  # a ``long32k`` prompt's (re-encoded in the chat template: 32,251)
 YARN = '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8192}'
@@ -75,8 +91,14 @@ LLAMA_32K = [
 # -- workloads ------------------------------------------------------------------------------------
 
 
-def workload(name: str, tok, seed: int, scale: float) -> tuple[list[list[int]], int, int]:
-    """(prompts, output tokens each, concurrency); ``scale`` shrinks the request count."""
+def trace_conversations(scale: float) -> int:
+    return max(1, round(6 * scale))
+
+
+def workload(name: str, tok, seed: int, scale: float):
+    """(prompts, output tokens each, concurrency, turns); ``scale`` shrinks the request count.
+    ``turns`` (engine/bench/trace.py Turn: the prompts with their arrivals and conversations) only
+    for ``trace-arrivals``, sent at their arrivals (its concurrency: the most in flight)."""
     rng = random.Random(seed)
     words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
     if name == "chat":
@@ -85,26 +107,31 @@ def workload(name: str, tok, seed: int, scale: float) -> tuple[list[list[int]], 
             [chat_ids(tok, None, f"{i}: " + words(rng.randint(60, 400))) for i in range(n)],
             96,
             16,
+            None,
         )
     if name == "prefix":
         system = tok.decode(tok.encode(words(2048), add_special_tokens=False)[:1024])
         n = max(2, round(64 * scale))
         prompts = [chat_ids(tok, system, f"{i}: " + words(rng.randint(50, 200))) for i in range(n)]
-        return prompts, 96, 16
+        return prompts, 96, 16, None
     if name == "batch1":
         n = max(2, round(4 * scale))
-        return [chat_ids(tok, None, f"{i}: " + words(100)) for i in range(n)], 128, 1
+        return [chat_ids(tok, None, f"{i}: " + words(100)) for i in range(n)], 128, 1, None
     if name == "trace":
-        return real_scale_conversations(max(1, round(6 * scale)), seed, TRACE_MAX_INPUT), 32, 1
+        prompts = real_scale_conversations(trace_conversations(scale), seed, TRACE_MAX_INPUT)
+        return prompts, 32, 1, None
+    if name == "trace-arrivals":
+        turns = real_scale_turns(trace_conversations(scale), seed, TRACE_MAX_INPUT)
+        return [t.ids for t in turns], 32, len({t.conversation for t in turns}), turns
     if name == "long32k":
         body = tok.encode(words(32000), add_special_tokens=False)[:LONG32K_BODY]
-        return [chat_ids(tok, None, "0: " + tok.decode(body))], 32, 1
+        return [chat_ids(tok, None, "0: " + tok.decode(body))], 32, 1, None
     if name == "long":
         n = max(1, round(2 * scale))
         texts = [tok.decode(tok.encode(words(7000), add_special_tokens=False)[:LONG_BODY])]
         texts += [tok.decode(tok.encode(words(7000), add_special_tokens=False)[:LONG_BODY])
                   for _ in range(n - 1)]  # fmt: skip
-        return [chat_ids(tok, None, f"{i}: " + t) for i, t in enumerate(texts)], 32, 1
+        return [chat_ids(tok, None, f"{i}: " + t) for i, t in enumerate(texts)], 32, 1, None
     raise SystemExit(f"unknown workload {name!r}")
 
 
@@ -115,7 +142,9 @@ async def one_request(client, model: str, prompt: list[int], out_len: int) -> di
     return await stream_completion(client, model, prompt, out_len, ignore_eos=True)
 
 
-async def http_load(url: str, model: str, prompts, out_len: int, concurrency: int) -> dict:
+async def http_load(
+    url: str, model: str, prompts, out_len: int, concurrency: int, turns=None, speedup=1.0
+) -> dict:
     # A fresh connection per request: llama-server closes idle keep-alive connections, and a
     # request sent on one that it just closed fails ("disconnected without a response").
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
@@ -128,8 +157,22 @@ async def http_load(url: str, model: str, prompts, out_len: int, concurrency: in
                 return await one_request(client, model, p, out_len)
 
         t0 = time.perf_counter()
+        if turns is not None:  # at the trace's arrivals
+            sent = await send_turns(turns, speedup, lambda t: one_request(client, model, t.ids,
+                                                                           out_len))  # fmt: skip
+            r = summarize([x for _, x in sent], time.perf_counter() - t0)
+            return {**r, **arrival_figures(turns, speedup, sent)}
         results = await asyncio.gather(*(run(p) for p in prompts))
         return summarize(results, time.perf_counter() - t0)
+
+
+def arrival_figures(turns, speedup: float, sent: list) -> dict:
+    """How the arrivals went: turns sent later than their arrival (their conversation's earlier
+    turn had not finished; more than 0.1 s), the most requests in flight at once."""
+    late = sum(s > t.arrival_s / speedup + 0.1 for t, (s, _) in zip(turns, sent))
+    spans = [(s, s + r["e2e"]) for s, r in sent]
+    most = max(sum(a <= s < b for a, b in spans) for s, _ in spans)
+    return {"held_back": late, "max_in_flight": most}
 
 
 def summarize(results: list[dict], duration: float) -> dict:
@@ -165,12 +208,15 @@ def start_engine(args, gguf: str, name: str = "engine", extra: str | None = None
 def start_llama(args, gguf: str) -> Server:
     port = free_port()
     cmd = [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
-    long = {"long", "trace"} & set(args.workloads)
+    long = {"long", "trace", "trace-arrivals"} & set(args.workloads)
     per_slot = 8448 if long else 2048  # a long prompt and its output
+    slots = CONCURRENCY  # trace-arrivals: at most one turn per conversation in flight
+    if "trace-arrivals" in args.workloads:
+        slots = max(slots, trace_conversations(args.scale))
     if "long32k" in args.workloads:  # one slot of 32k (16 would hold 12 GB of KV)
         cmd += ["-np", "1", *LLAMA_32K, "-t", str(args.threads)]
     else:
-        cmd += ["-np", str(CONCURRENCY), "-c", str(CONCURRENCY * per_slot)]
+        cmd += ["-np", str(slots), "-c", str(slots * per_slot)]
         cmd += ["-t", str(args.threads)]
     cmd += ["-tb", str(args.threads), "--cont-batching", "--no-webui"]
     cmd += shlex.split(args.llama_args)
@@ -247,7 +293,7 @@ def engine_bytes_per_param(engine_args: str) -> float:
     return float(resolved_weight_dtype(config).itemsize)
 
 
-def print_table(w: str, rows: dict, n: int, n_in: int, out_len: int, conc: int, label: str):
+def print_table(w: str, rows: dict, n: int, n_in: int, out_len: int, conc, label: str):
     print(
         f"\n{w}{label}: {n} requests, {n_in} prompt tokens, {out_len} output tokens each, "
         f"concurrency {conc}"
@@ -260,6 +306,12 @@ def print_table(w: str, rows: dict, n: int, n_in: int, out_len: int, conc: int, 
     base = rows.get("llama-server")
     for name, r in rows.items():
         print(fmt_row(name, r, base))
+    for name, r in rows.items():
+        if "max_in_flight" in r:  # trace-arrivals
+            print(
+                f"{name}: at most {r['max_in_flight']:g} requests in flight; {r['held_back']:g} "
+                "turns sent after their arrival (their conversation's earlier turn not done)"
+            )
 
 
 def fmt_row(name: str, r: dict, base: dict | None) -> str:
@@ -284,6 +336,13 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=["chat", "prefix", "batch1"])
     ap.add_argument("--threads", type=int, default=2, help="threads of every system")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
+    ap.add_argument(
+        "--arrival-speedup",
+        type=float,
+        default=TRACE_SPEEDUP,
+        help=f"trace-arrivals: the trace's time compressed this many times (default "
+        f"{TRACE_SPEEDUP:g})",
+    )
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, help="run each workload this many times, "
@@ -299,6 +358,8 @@ def main() -> int:
         "built for the same class: docs/cpu.md)",
     )
     args = ap.parse_args()
+    if not args.arrival_speedup > 0:
+        ap.error(f"--arrival-speedup must be > 0, got {args.arrival_speedup}")
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if "long32k" in args.workloads and len(args.workloads) > 1:
@@ -336,7 +397,14 @@ def main() -> int:
             rounds = []
             for i in range(args.rounds):
                 # new prompts every round (seed + round): a repeat would hit the prefix caches
-                prompts, out_len, conc = workload(w, tok, args.seed + i, args.scale)
+                prompts, out_len, conc, turns = workload(w, tok, args.seed + i, args.scale)
+                how = conc
+                if turns is not None:
+                    how = (
+                        f"as the trace's arrivals, {args.arrival_speedup:g}x faster "
+                        f"(--arrival-speedup, default {TRACE_SPEEDUP:g}), a conversation's turns "
+                        f"in order ({conc} conversations)"
+                    )
                 n_in = sum(len(p) for p in prompts)
                 rows = {}
                 # Each round both servers in turn, the order reversed every other round (ABBA):
@@ -344,18 +412,19 @@ def main() -> int:
                 for name in round_order(["llama-server", "baseline", "engine"], i):
                     if name in servers:
                         s = servers[name]
-                        r = asyncio.run(http_load(s.url, s.model_id(), prompts, out_len, conc))
+                        r = asyncio.run(http_load(s.url, s.model_id(), prompts, out_len, conc,
+                                                  turns, args.arrival_speedup))  # fmt: skip
                         rows[name] = r
                         print(f"{w} {name}: {json.dumps(r)}", flush=True)
-                if hf is not None and i == 0:
+                if hf is not None and i == 0 and turns is None:  # static batches: no arrivals
                     pad = tok.eos_token_ids[0]
                     rows["transformers fp32"] = hf_load_run(hf, prompts, out_len, pad, CONCURRENCY)
                 rounds.append(rows)
                 label = f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""
-                print_table(w, rows, len(prompts), n_in, out_len, conc, label)
+                print_table(w, rows, len(prompts), n_in, out_len, how, label)
             rows = median_over_rounds(rounds)
             if args.rounds > 1:
-                print_table(w, rows, len(prompts), n_in, out_len, conc, " (median of rounds)")
+                print_table(w, rows, len(prompts), n_in, out_len, how, " (median of rounds)")
                 if "llama-server" in rows:
                     per = [r["engine"]["output_tok_s"] / r["llama-server"]["output_tok_s"]
                            for r in rounds]  # fmt: skip

@@ -133,22 +133,46 @@ async def _one(router, r: ScaledRequest, rid: str, t_send: float) -> Result:
     return Result("ok", len(r.ids), cached, first - t_send, gaps)
 
 
+def start_at(offsets: list[float], send, after: list[int | None] | None = None) -> list:
+    """Tasks that await ``send(i)`` for each request ``i`` at ``offsets[i]`` seconds from now,
+    all free to run at once (no limit on how many are in flight); where ``after[i]`` names an
+    earlier request, not before that one's task ended, however it ended. Each task's result is
+    (the second after the start at which ``send`` was called, its result)."""
+    start = time.monotonic()
+    tasks: list[asyncio.Task] = []
+
+    async def one(i: int, prev: asyncio.Task | None):
+        delay = start + offsets[i] - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if prev is not None:
+            await asyncio.wait([prev])
+        return time.monotonic() - start, await send(i)
+
+    after = after or [None] * len(offsets)
+    for i, j in enumerate(after):
+        if j is not None and not 0 <= j < i:
+            raise ValueError(f"request {i} can only follow an earlier request, not {j}")
+    for i, j in enumerate(after):
+        tasks.append(asyncio.ensure_future(one(i, None if j is None else tasks[j])))
+    return tasks
+
+
 async def replay(router, reqs: list[ScaledRequest], tag: str, drain_s: float) -> list[Result]:
     """Send each request at its arrival time; whatever is not done ``drain_s`` after the last
     arrival is aborted (status timeout)."""
     start = time.monotonic()
-    tasks = []
-    for i, r in enumerate(reqs):
-        delay = start + r.arrival_s - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(_one(router, r, f"{tag}-{i}", time.monotonic())))
-    done, pending = await asyncio.wait(tasks, timeout=drain_s)
+    tasks = start_at(
+        [r.arrival_s for r in reqs],
+        lambda i: _one(router, reqs[i], f"{tag}-{i}", time.monotonic()),
+    )
+    end = start + (reqs[-1].arrival_s if reqs else 0.0) + drain_s
+    done, pending = await asyncio.wait(tasks, timeout=max(0.0, end - time.monotonic()))
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     lost = Result("timeout", 0, 0, math.nan, [])
-    return [lost if t.cancelled() else t.result() for t in tasks]
+    return [lost if t.cancelled() else t.result()[1] for t in tasks]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -220,26 +244,69 @@ def sample_conversations(reqs: list[TraceRequest], every: int) -> list[TraceRequ
     return [r for r in reqs if len(r.hash_ids) > 1 and r.hash_ids[1] % every == 0]
 
 
-def real_scale_conversations(conversations: int, salt: int, max_input: int) -> list[list[int]]:
+class Turn(NamedTuple):
+    """A request of the conversation trace at its real scale (``real_scale_turns``)."""
+
+    arrival_s: float  # trace seconds after the first chosen request
+    conversation: int  # its conversation, numbered in the order of their first turns
+    ids: list[int]  # the prompt's token ids
+
+
+def real_scale_turns(conversations: int, salt: int, max_input: int) -> list[Turn]:
     """The conversation trace at its real scale: the first ``conversations`` whole conversations
     (named by their second hash id, as ``sample_conversations``) whose every turn has at most
     ``max_input`` tokens, each trace block ``TRACE_BLOCK`` tokens of its own (block ids kept, so a
-    turn shares its earlier turns' prefix as in the trace), in the trace's order: the prompts'
-    token ids."""
-    from engine.sim.trace import DEFAULT_TRACE, load_trace
+    turn shares its earlier turns' prefix as in the trace), in the trace's order, with their
+    arrivals (the trace's timestamps) and conversations.
 
+    A conversation's turns are requests of their own in the trace, each a later timestamp (the
+    user's next message, sent after the answer to the one before: the trace's gaps between turns
+    are tens to hundreds of seconds), whose hash ids repeat the earlier turn's prompt blocks."""
     reqs = load_trace(DEFAULT_TRACE)
     convs: dict[int, list] = {}
     for r in reqs:
         convs.setdefault(r.hash_ids[1] if len(r.hash_ids) > 1 else -1 - r.index, []).append(r)
     chosen = [c for c in convs.values() if max(r.input_len for r in c) <= max_input]
-    keep = {r.index for c in chosen[:conversations] for r in c}
-    prompts = []
+    conversation_of = {r.index: k for k, c in enumerate(chosen[:conversations]) for r in c}
+    turns: list[Turn] = []
     for r in reqs:
-        if r.index in keep:
+        if r.index in conversation_of:
+            t0 = turns[0].arrival_s if turns else r.arrival_s
             ids = [t for h in r.hash_ids for t in block_tokens_of(h, TRACE_BLOCK, salt)]
-            prompts.append(ids[: r.input_len])
-    return prompts
+            turns.append(Turn(r.arrival_s - t0, conversation_of[r.index], ids[: r.input_len]))
+    return turns
+
+
+def real_scale_conversations(conversations: int, salt: int, max_input: int) -> list[list[int]]:
+    """The prompts of ``real_scale_turns``, in the trace's order."""
+    return [t.ids for t in real_scale_turns(conversations, salt, max_input)]
+
+
+def earlier_turns(turns: list[Turn]) -> list[int | None]:
+    """For each turn, the index of the turn before it in its conversation (None for a first)."""
+    last: dict[int, int] = {}
+    out: list[int | None] = []
+    for i, t in enumerate(turns):
+        out.append(last.get(t.conversation))
+        last[t.conversation] = i
+    return out
+
+
+async def send_turns(turns: list[Turn], speedup: float, send) -> list[tuple[float, object]]:
+    """The trace at its own concurrency, ``speedup`` times faster: ``send(turn)`` (a coroutine)
+    for each turn at its arrival divided by ``speedup`` seconds from now, whatever else is in
+    flight then, except that a turn is not sent before the turn before it in its conversation
+    has finished (it is then sent at once when that one ends). In the trace a turn is the
+    user's answer to the one before; compressed in time (or on a server slower than the
+    trace's), a turn's arrival can come before the answer it replies to has, and a client would
+    not send it then. So at most one request per conversation is in flight, and a later turn
+    finds its earlier turn's prompt in the server's prefix cache, as in the trace. Returns per
+    turn (the second after the start at which it was sent, send's result), in the turns' order."""
+    if not speedup > 0:
+        raise ValueError(f"speedup must be > 0, got {speedup}")
+    offsets = [t.arrival_s / speedup for t in turns]
+    tasks = start_at(offsets, lambda i: send(turns[i]), earlier_turns(turns))
+    return list(await asyncio.gather(*tasks))
 
 
 def _record_decisions(placement) -> list:
