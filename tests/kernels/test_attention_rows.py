@@ -159,6 +159,6 @@ def test_an_int8_cache_gives_the_same_products_on_every_build(tmp_path, monkeypa
     monkeypatch.setattr(native, "library_for", lambda **_: load_library(lib_path))
     got = rows(q, k, v, tables, seq, causal, range(640))
     if march == "x86-64":
-        torch.testing.assert_close(got, here, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, here, rtol=1e-4, atol=1e-4)
     else:
         assert torch.equal(got, here)

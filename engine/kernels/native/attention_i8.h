@@ -9,8 +9,8 @@
              qi = round(q / sq) with sq = max|q| / 32767 over query row m, cq = sq * scale,
              ks key j's scale;
      values  O[m][e] = (float)(sum_j wi[m][j] v[j][e]) * sw[m]
-             w = p * vs (the probabilities times the value rows' scales, zero past the row's
-             causal count), wi = round(w / sw) with sw = max|w| / 32767 over the row.
+             w = p * vs (the softmax numerators, <= 1, times the value rows' scales; zero past
+             the row's causal count n), wi = round(w / sw) with sw = max(vs[0..n)) / 32767.
 
    |sum| <= 256 * 32767 * 127 < 2^31 for dims and chunks of up to 256: nothing overflows or
    rounds. Integer sums are the same in any order, so the bits are the same on every class and
@@ -21,8 +21,9 @@
    panels are int16 pairs (half the float panels' bytes), so an int8 cache costs the attention
    less than a float one, in prefill and decode alike.
 
-   Error against the float path over the same int8 cache: each quantised operand moves by at
-   most 2^-16 of its row's largest value (tests: within 1e-4 relative). */
+   Error against the float path over the same int8 cache: a query element moves by at most
+   2^-16 of its row's largest, a weight by 2^-16 of the row's largest value scale (tests: within
+   1e-4). */
 
 #ifndef ENGINE_NATIVE_ATTENTION_I8_H
 #define ENGINE_NATIVE_ATTENTION_I8_H
@@ -32,16 +33,39 @@
 static inline int i8a_applies(const Args *a) { return a->kdt == DT_I8 && a->dim % 16 == 0; }
 
 /* x[0..n) as int16: q[i] = round-half-even(x[i] * (32767 / max|x|)); returns max|x| / 32767 (0
-   and zeros for a row of zeros). Scalar: the same bits on every class. */
+   and zeros for a row of zeros). The vector and scalar loops give the same bits (the max is
+   exact in any order; one product, one rounding to nearest even, a clamp). */
 static inline float i8a_quant16(const float *x, int n, int16_t *q) {
     float amax = 0.f;
-    for (int i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    int i = 0;
+#if defined(GEMV_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 vmax = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+#endif
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     if (amax == 0.f) {
         memset(q, 0, sizeof(int16_t) * (size_t)n);
         return 0.f;
     }
     const float inv = I8A_QMAX / amax;
-    for (int i = 0; i < n; i++) {
+    i = 0;
+#if defined(GEMV_AVX2)
+    const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(I8A_QMAX);
+    const __m256 lo = _mm256_set1_ps(-I8A_QMAX);
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_max_ps(_mm256_min_ps(v, hi), lo);
+        const __m256i w = _mm256_cvtps_epi32(v);
+        _mm_storeu_si128((__m128i *)(q + i), _mm_packs_epi32(_mm256_castsi256_si128(w),
+                                                             _mm256_extracti128_si256(w, 1)));
+    }
+#endif
+    for (; i < n; i++) {
         float v = nearbyintf(x[i] * inv);
         v = v > I8A_QMAX ? I8A_QMAX : (v < -I8A_QMAX ? -I8A_QMAX : v);
         q[i] = (int16_t)v;
@@ -49,12 +73,51 @@ static inline float i8a_quant16(const float *x, int n, int16_t *q) {
     return amax / I8A_QMAX;
 }
 
+/* A row's weights as int16: q[j] = round-half-even((p[j] * vs[j]) * (32767 / top)) for j < n,
+   zeros to n2x2, with top = max(vs[0..n)) >= every p[j] * vs[j] (p <= 1: the chunk's softmax
+   numerators); returns top / 32767 (0 and zeros where top is 0). No pass for the row's max:
+   top is the chunk's prefix max of the value scales at the row's causal count, the row's own.
+   Vector and scalar loops give the same bits. */
+static inline float i8a_weights16(const float *p, const float *vs, int n, int n2x2, float top,
+                                  int16_t *q) {
+    if (!(top > 0.f)) {
+        memset(q, 0, sizeof(int16_t) * (size_t)n2x2);
+        return 0.f;
+    }
+    const float inv = I8A_QMAX / top;
+    int j = 0;
+#if defined(GEMV_AVX2)
+    const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(I8A_QMAX);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(p + j), _mm256_loadu_ps(vs + j));
+        __m256 v = _mm256_round_ps(_mm256_mul_ps(w, vinv),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(v, hi); /* w >= 0 */
+        const __m256i i32 = _mm256_cvtps_epi32(v);
+        _mm_storeu_si128((__m128i *)(q + j), _mm_packs_epi32(_mm256_castsi256_si128(i32),
+                                                             _mm256_extracti128_si256(i32, 1)));
+    }
+#endif
+    for (; j < n; j++) {
+        const float v = nearbyintf((p[j] * vs[j]) * inv);
+        q[j] = (int16_t)(v > I8A_QMAX ? I8A_QMAX : v);
+    }
+    for (; j < n2x2; j++) q[j] = 0;
+    return top / I8A_QMAX;
+}
+
 /* y[m][0..cols) = sum_i (x[m][2i], x[m][2i+1]) . (p[c][i][j] as two int16), for M rows of x
    (int16, ldx apart, K2 pairs) against `panels` panels of K2 x 16 pair words, pstride words
    apart: exact int32 sums. */
 #if defined(GEMM_AVX512)
 #if defined(__AVX512VNNI__)
-#define I8A_DOT(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+/* vpdpwssd in place: GCC's intrinsic copies the accumulators through the stack here */
+static inline __attribute__((always_inline)) __m512i i8a_dpwssd(__m512i acc, __m512i a,
+                                                                __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+#define I8A_DOT(acc, a, b) i8a_dpwssd(acc, a, b)
 #else
 #define I8A_DOT(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #endif
@@ -63,15 +126,19 @@ static inline __attribute__((always_inline)) void i8a_tile(const int16_t *x, int
                                                            int64_t pstride, int K2, int32_t *y,
                                                            int64_t ldy, int cols) {
     __m512i acc[GEMM_MR][2];
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
     for (int i = 0; i < K2; i++) {
         __m512i b[2];
+#pragma GCC unroll 2
         for (int c = 0; c < NP; c++)
             b[c] = _mm512_loadu_si512((const void *)(p + c * pstride + (int64_t)i * TILE_KEYS));
+#pragma GCC unroll 12
         for (int r = 0; r < R; r++) {
             int32_t pair;
             memcpy(&pair, x + r * ldx + 2 * i, sizeof pair);
             const __m512i a = _mm512_set1_epi32(pair);
+#pragma GCC unroll 2
             for (int c = 0; c < NP; c++) acc[r][c] = I8A_DOT(acc[r][c], a, b[c]);
         }
     }
@@ -113,32 +180,44 @@ static inline __attribute__((always_inline)) void i8a_tile(const int16_t *x, int
 #define I8A_TILE_PANELS 1
 #endif
 
+#if defined(GEMM_AVX512) || defined(GEMM_AVX2)
+/* Rows [0, M) in tiles of GEMM_MR (the last smaller) against NP panels: R and NP constants in
+   each call, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void i8a_rows(const int16_t *x, int64_t ldx, int M,
+                                                           int NP, const int32_t *p,
+                                                           int64_t pstride, int K2, int32_t *y,
+                                                           int64_t ldy, int cols) {
+    int m = 0;
+    for (; m + GEMM_MR <= M; m += GEMM_MR)
+        i8a_tile(x + m * ldx, ldx, GEMM_MR, NP, p, pstride, K2, y + m * ldy, ldy, cols);
+#define GEMM_REST(R) i8a_tile(x + m * ldx, ldx, R, NP, p, pstride, K2, y + m * ldy, ldy, cols)
+#if defined(GEMM_AVX512)
+    switch (M - m) { GEMM_REST_CASES_11 default: break; }
+#else
+    switch (M - m) {
+    case 1: GEMM_REST(1); break;
+    case 2: GEMM_REST(2); break;
+    case 3: GEMM_REST(3); break;
+    case 4: GEMM_REST(4); break;
+    case 5: GEMM_REST(5); break;
+    default: break;
+    }
+#endif
+#undef GEMM_REST
+}
+#endif
+
 static inline void i8a_gemm(const int16_t *x, int64_t ldx, int M, const int32_t *p,
                             int64_t pstride, int panels, int K2, int32_t *y, int64_t ldy,
                             int cols) {
 #if defined(GEMM_AVX512) || defined(GEMM_AVX2)
     for (int c = 0; c < panels; c += I8A_TILE_PANELS) {
-        const int np = panels - c < I8A_TILE_PANELS ? panels - c : I8A_TILE_PANELS;
         const int left = cols - c * TILE_KEYS;
         const int32_t *pc = p + (int64_t)c * pstride;
-        int32_t *yc = y + c * TILE_KEYS;
-        int m = 0;
-        for (; m + GEMM_MR <= M; m += GEMM_MR)
-            i8a_tile(x + m * ldx, ldx, GEMM_MR, np, pc, pstride, K2, yc + m * ldy, ldy, left);
-#define GEMM_REST(R) i8a_tile(x + m * ldx, ldx, R, np, pc, pstride, K2, yc + m * ldy, ldy, left)
-#if defined(GEMM_AVX512)
-        switch (M - m) { GEMM_REST_CASES_11 default: break; }
-#else
-        switch (M - m) {
-        case 1: GEMM_REST(1); break;
-        case 2: GEMM_REST(2); break;
-        case 3: GEMM_REST(3); break;
-        case 4: GEMM_REST(4); break;
-        case 5: GEMM_REST(5); break;
-        default: break;
-        }
-#endif
-#undef GEMM_REST
+        if (I8A_TILE_PANELS == 2 && panels - c >= 2)
+            i8a_rows(x, ldx, M, 2, pc, pstride, K2, y + c * TILE_KEYS, ldy, left);
+        else
+            i8a_rows(x, ldx, M, 1, pc, pstride, K2, y + c * TILE_KEYS, ldy, left);
     }
 #else
     for (int m = 0; m < M; m++)
@@ -248,6 +327,8 @@ static inline void tiles_chunk_i8(const Args *a, const int32_t *table, const int
     i8a_gemm(qi, D, M, kq, (int64_t)W * TILE_KEYS, panels, W, si, CHUNK, n);
     tiles_offsets(table, a->block_size, a->sv_b, a->sv_s, a->sv_h, kh, t0, n, offs);
     i8a_pack_values(a->v, offs, n, D, vq, vs);
+    float top[CHUNK]; /* top[j]: max(vs[0..j]) */
+    for (int j = 0; j < n; j++) top[j] = j && top[j - 1] > vs[j] ? top[j - 1] : vs[j];
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             const int m = r * G + g, h = kh * G + g;
@@ -255,9 +336,7 @@ static inline void tiles_chunk_i8(const Args *a, const int32_t *table, const int
             const int32_t *ir = si + (size_t)m * CHUNK;
             for (int j = 0; j < ns[r]; j++) sr[j] = (float)ir[j] * (cqs[m] * ks[j]);
             softmax_chunk(sr, ns[r], pr + (size_t)H * D + h, pr + (size_t)H * D + H + h);
-            for (int j = 0; j < ns[r]; j++) sr[j] *= vs[j];
-            for (int j = ns[r]; j < 2 * n2; j++) sr[j] = 0.f;
-            sws[m] = i8a_quant16(sr, 2 * n2, wi + (size_t)m * 2 * n2);
+            sws[m] = i8a_weights16(sr, vs, ns[r], 2 * n2, top[ns[r] - 1], wi + (size_t)m * 2 * n2);
         }
     i8a_gemm(wi, 2 * n2, M, vq, (int64_t)n2 * TILE_KEYS, D / TILE_KEYS, n2, oi, D, D);
     for (int r = 0; r < R; r++)
