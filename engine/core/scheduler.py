@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import deque
 
 from engine.config import SchedulerConfig
@@ -231,6 +232,7 @@ class Scheduler:
         if req.metrics.first_scheduled_time is None:
             req.metrics.num_cached_tokens = cached
             req.metrics.kv_sources = {"device": cached} if cached else {}
+        req.load_started = time.monotonic()
         self.loading[req.request_id] = req
         self.connector.start_load(req, self.kv.block_tables[req.request_id], cached, external)
 
@@ -247,6 +249,9 @@ class Scheduler:
                 req.skip_kv_connector = True
                 log.warning("KV load for %s: %s; recomputing the rest", req.request_id, done.error)
             req.num_computed_tokens += done.num_tokens
+            if req.load_started is not None:
+                req.metrics.kv_load_time += time.monotonic() - req.load_started
+                req.load_started = None
             self.kv.cache_computed_blocks(req)  # loaded blocks join the device prefix cache
             if req.metrics.first_scheduled_time is None:
                 req.metrics.num_cached_tokens += done.num_tokens

@@ -3,9 +3,10 @@
 Loads: ``lookup`` asks the store how many of a request's next blocks it holds (by chained hash);
 ``start_load`` queues a job for the loader thread, which reads the blocks (DRAM arena, SSD records
 or a pool service) into a staging tensor; ``finished_loads`` (engine thread, between steps)
-scatters the staging tensor into the request's cache blocks. A miss or bad record part way stops
-the load there: the request recomputes the rest. An aborted request's job is dropped, and since
-only the engine thread writes the cache, its blocks can be reused at once.
+scatters the staging tensor into the request's cache blocks and keeps it for a later load
+(``staging.py``: a fresh buffer's page faults were most of a load's time). A miss or bad record
+part way stops the load there: the request recomputes the rest. An aborted request's job is
+dropped, and since only the engine thread writes the cache, its blocks can be reused at once.
 
 Saves: after a step, the newly full blocks are gathered (engine thread, one copy) into a staging
 tensor and queued for the writer thread, which puts them in the store. The step loop never waits
@@ -33,7 +34,8 @@ import torch
 
 from engine.kernels import kv_gather, kv_scatter
 from engine.kv_connector.base import KVConnector, LoadDone
-from engine.kv_connector.device_copy import HostCopier, Ready, make_copier
+from engine.kv_connector.device_copy import DONE, HostCopier, Ready, make_copier
+from engine.kv_connector.staging import StagingCache
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class PoolConnector(KVConnector):
         self.block_shape = (layers, two, bs, heads, dim)
         self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         self.max_write_bytes = max_write_bytes
+        self._staging = StagingCache(self.copier)  # loads' host buffers, kept for the next
         self._active: dict[str, _LoadJob] = {}
         self._hashes: dict[str, Sequence[bytes]] = {}  # from lookup, for start_load
         self._loads: queue.Queue = queue.Queue(maxsize=max_loads)
@@ -141,11 +144,15 @@ class PoolConnector(KVConnector):
         out = []
         for job in done:
             if job.cancelled or self._active.get(job.request_id) is not job:
+                self._staging.give(job.staging)
                 continue
             del self._active[job.request_id]
+            ready = DONE
             if job.loaded:
-                self._scatter(job.staging[: job.loaded], job.block_ids[: job.loaded])
+                ready = self._scatter(job.staging[: job.loaded], job.block_ids[: job.loaded])
                 self._remember(job.keys[: job.loaded])
+            self._staging.give(job.staging, ready)
+            job.staging = None
             self.counters["loaded_blocks"] += job.loaded
             if job.error is not None:
                 self.counters["failed_loads"] += 1
@@ -154,11 +161,11 @@ class PoolConnector(KVConnector):
             )
         return out
 
-    def _scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Loaded blocks (host staging [n, layers, 2, ...]) into cache blocks block_ids. The
-        staging tensor is the host allocator's (pinned on CUDA): it outlives the copy."""
+    def _scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> Ready:
+        """Loaded blocks (host staging [n, layers, 2, ...]) into cache blocks block_ids; when
+        the staging tensor may be written again (on CUDA the copy may still read it)."""
         ids = self.copier.index(block_ids)
-        self.copier.fill_device(
+        return self.copier.fill_device(
             staging, lambda src: kv_scatter(src.permute(1, 2, 0, 3, 4, 5), ids, self.kv)
         )
 
@@ -233,7 +240,7 @@ class PoolConnector(KVConnector):
 
     def _load(self, job: _LoadJob) -> None:
         n = len(job.keys)
-        job.staging = self.copier.host_empty((n, *self.block_shape), self.kv.dtype)
+        job.staging = self._staging.take((n, *self.block_shape), self.kv.dtype)
         rows = job.staging.view(torch.uint8).numpy().reshape(n, -1)
         get_many = getattr(self.store, "get_many", None)  # reads SSD records ahead
         for start in range(0, n, _LOAD_WINDOW):

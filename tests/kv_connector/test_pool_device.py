@@ -92,3 +92,29 @@ def test_save_then_load_round_trips(device, copier):
         assert torch.equal(kv[:, :, [1, 4, 6]], saved)
     finally:
         pool.close()
+
+
+def test_a_load_reuses_the_last_loads_staging_buffer():
+    # staging.py: a fresh buffer's page faults were most of a load's time; the second load
+    # writes the first's buffer, and its blocks still arrive intact
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(L, 2, NB, BS, H, D, generator=g)
+    store = DictStore()
+    pool = PoolConnector(store, kv, BS)
+    try:
+        hashes = [b"h0", b"h1", b"h2"]
+        pool.save(SimpleNamespace(request_id="s", num_tokens=3 * BS + 1), [5, 2, 7], hashes, 0, 3)
+        assert pool.flush(10.0)
+        saved = kv[:, :, [5, 2, 7]].clone()
+        for i, (blocks, n) in enumerate([([1, 4, 6], 3), ([0, 3], 2)]):
+            kv[:, :, blocks] = 0
+            req = SimpleNamespace(request_id=f"r{i}", num_tokens=3 * BS + 1)
+            assert pool.lookup(req, hashes, 0) == 3 * BS
+            pool.start_load(req, blocks, 0, n * BS)
+            pool.wait(10.0)
+            (done,) = pool.finished_loads()
+            assert done.num_tokens == n * BS and done.error is None
+            assert torch.equal(kv[:, :, blocks], saved[:, :, :n])
+        assert (pool._staging.allocated, pool._staging.reused) == (1, 1)
+    finally:
+        pool.close()

@@ -49,6 +49,10 @@ def test_prefix_from_tier_matches_recompute(tier, tmp_path, reference):
     assert second.metrics.kv_sources == {tier: 144}
     assert second.metrics.num_cached_tokens == 144
     assert second.metrics.num_computed_prompt_tokens == 6  # only the tail ran
+    # the load's own time, within the request's wait for its first token
+    assert first.metrics.kv_load_time == 0.0
+    ttft = second.metrics.first_token_time - second.metrics.arrival_time
+    assert 0.0 < second.metrics.kv_load_time < ttft
     assert stats["tiers"][tier]["hits"] >= 9
     assert stats["loaded_blocks"] == 9 and stats["failed_loads"] == 0
     text = scrape(snapshot)
