@@ -151,13 +151,15 @@ static inline __attribute__((always_inline)) void i8a_tile(const int16_t *x, int
     }
 }
 #define I8A_TILE_PANELS 2
+#define I8A_MR GEMM_MR
 #elif defined(GEMM_AVX2)
+#define I8A_MR 4 /* 8 accumulators: six rows' 12 (GEMM_MR) spilled, vpmaddwd needing a temporary */
 static inline __attribute__((always_inline)) void i8a_tile(const int16_t *x, int64_t ldx, int R,
                                                            int NP, const int32_t *p,
                                                            int64_t pstride, int K2, int32_t *y,
                                                            int64_t ldy, int cols) {
     (void)NP, (void)pstride; /* one panel: two 8-lane halves */
-    __m256i acc[GEMM_MR][2];
+    __m256i acc[I8A_MR][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int i = 0; i < K2; i++) {
         const __m256i b0 = _mm256_loadu_si256((const __m256i *)(p + (int64_t)i * TILE_KEYS));
@@ -188,8 +190,8 @@ static inline __attribute__((always_inline)) void i8a_rows(const int16_t *x, int
                                                            int64_t pstride, int K2, int32_t *y,
                                                            int64_t ldy, int cols) {
     int m = 0;
-    for (; m + GEMM_MR <= M; m += GEMM_MR)
-        i8a_tile(x + m * ldx, ldx, GEMM_MR, NP, p, pstride, K2, y + m * ldy, ldy, cols);
+    for (; m + I8A_MR <= M; m += I8A_MR)
+        i8a_tile(x + m * ldx, ldx, I8A_MR, NP, p, pstride, K2, y + m * ldy, ldy, cols);
 #define GEMM_REST(R) i8a_tile(x + m * ldx, ldx, R, NP, p, pstride, K2, y + m * ldy, ldy, cols)
 #if defined(GEMM_AVX512)
     switch (M - m) { GEMM_REST_CASES_11 default: break; }
@@ -198,8 +200,6 @@ static inline __attribute__((always_inline)) void i8a_rows(const int16_t *x, int
     case 1: GEMM_REST(1); break;
     case 2: GEMM_REST(2); break;
     case 3: GEMM_REST(3); break;
-    case 4: GEMM_REST(4); break;
-    case 5: GEMM_REST(5); break;
     default: break;
     }
 #endif
