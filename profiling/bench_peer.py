@@ -49,6 +49,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import sys
 import time
 
@@ -72,6 +73,7 @@ TRACE_MAX_INPUT = 8000  # the ``trace`` workload's longest turn: the default mod
 # server does, on both CPU classes: concurrent, neither idle nor swamped. At 1x one server's run
 # alone would take over 12 minutes.
 TRACE_SPEEDUP = 4.0
+ARRIVALS_SALT = 1 << 20  # trace-arrivals' block tokens differ from trace's (same seed)
 LONG_BODY = 7900  # tokens of a ``long`` prompt's text (re-encoded in the chat template: ~7,100)
 LONG32K_BODY = 34500  # a ``long32k`` prompt's (re-encoded in the chat template: 32,251)
 YARN = '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8192}'
@@ -120,8 +122,8 @@ def workload(name: str, tok, seed: int, scale: float):
     if name == "trace":
         prompts = real_scale_conversations(trace_conversations(scale), seed, TRACE_MAX_INPUT)
         return prompts, 32, 1, None
-    if name == "trace-arrivals":
-        turns = real_scale_turns(trace_conversations(scale), seed, TRACE_MAX_INPUT)
+    if name == "trace-arrivals":  # other tokens than ``trace``'s: a run of both would hit caches
+        turns = real_scale_turns(trace_conversations(scale), seed + ARRIVALS_SALT, TRACE_MAX_INPUT)
         return [t.ids for t in turns], 32, len({t.conversation for t in turns}), turns
     if name == "long32k":
         body = tok.encode(words(32000), add_special_tokens=False)[:LONG32K_BODY]
@@ -382,6 +384,7 @@ def main() -> int:
     res: dict = {"args": vars(args), "cpu": cpu, "workloads": {}}
     print(f"model {gguf}\nthreads {args.threads} per system; engine args: {args.engine_args!r}")
     servers: dict[str, Server] = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` stops the servers
     try:
         servers["engine"] = start_engine(args, gguf)
         print(f"engine serve healthy after {servers['engine'].start_s:.1f} s")
