@@ -169,8 +169,12 @@ def test_rpc_server_answers_only_authenticated_clients(forced, tmp_path, monkeyp
                 ctx.destroy(linger=0)
             monkeypatch.delenv("ENGINE_CURVE_KEYS")
             with RPCClient(rpc.address, timeout=SILENCE_S) as plain:
-                with pytest.raises(RPCTimeoutError):
+                # no reply: it times out, or (the refused handshake dropped the connection
+                # before the send; seen under load) it cannot even send
+                with pytest.raises(RPCError) as info:
                     plain.health()
+                unsent = "the server is not taking requests" in str(info.value)
+                assert isinstance(info.value, RPCTimeoutError) or unsent, info.value
     finally:
         router.close()
 
