@@ -59,9 +59,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens not recomputed (device cache and KV pool)
     kv_sources: dict[str, int] = field(default_factory=dict)  # those tokens by source
-    kv_load_time: float = (
-        0.0  # s it waited for KV loads (pool tiers, a P/D hand-over), start to end
-    )
+    kv_load_time: float = 0.0  # s it waited for its KV loads (pool tiers, a P/D hand-over)
     num_computed_prompt_tokens: int = 0  # prompt tokens this engine actually ran through the model
     num_preemptions: int = 0
 

@@ -80,7 +80,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
-        self.load_started: float | None = None  # when its pending KV load began (monotonic)
+        self.load_started = 0.0  # when its latest KV load began (monotonic; the scheduler's)
         # Streaming cursors: what has been handed to the caller already.
         self.text_limit: int | None = None  # output text is cut here (a stop string matched)
         self.sent_text_len = 0

@@ -249,9 +249,7 @@ class Scheduler:
                 req.skip_kv_connector = True
                 log.warning("KV load for %s: %s; recomputing the rest", req.request_id, done.error)
             req.num_computed_tokens += done.num_tokens
-            if req.load_started is not None:
-                req.metrics.kv_load_time += time.monotonic() - req.load_started
-                req.load_started = None
+            req.metrics.kv_load_time += time.monotonic() - req.load_started  # _start_load's
             self.kv.cache_computed_blocks(req)  # loaded blocks join the device prefix cache
             if req.metrics.first_scheduled_time is None:
                 req.metrics.num_cached_tokens += done.num_tokens
