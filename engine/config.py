@@ -21,7 +21,7 @@ from engine.speculative_config import SpeculativeConfig
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8")
 
 # How the scheduler orders its waiting requests and picks whom to preempt (vLLM's
 # --scheduling-policy): arrival order, or (priority, arrival), a lower priority value first.

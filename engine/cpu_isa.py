@@ -173,6 +173,11 @@ class CpuIsa:
                 f"auto{weights}: bfloat16, measured faster than float32 activations for int8 "
                 f"decode on CPUs without native bf16 too (level {self.level})"
             )
+        if quantization == "w8a8":
+            return "float32", (
+                f"auto{weights}: float32, this CPU (level {self.level}) has no native bf16 "
+                "(AVX512-BF16 or AMX); the W8A8 GEMMs quantize float32 rows to int8 as they run"
+            )
         if quantization is None and self.c_float_row_dots:
             return "float32", (
                 f"auto: float32 activations with bfloat16 weights, this CPU (level {self.level}) "

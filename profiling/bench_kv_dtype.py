@@ -46,13 +46,17 @@ def corpus_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def teacher_forced(kv: str, ids: list[int]) -> tuple[list[float], list[int]]:
+def teacher_forced(
+    kv: str, ids: list[int], quantization: str | None = None
+) -> tuple[list[float], list[int]]:
     """Per position i >= 1: the logprob of ids[i] and the top-1 token, under KV dtype kv."""
     from engine import LLM, SamplingParams
 
     sp = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
     blocks = len(ids) // 16 + 16
-    with LLM(dtype="float32", kv_cache_dtype=kv, num_blocks=blocks) as llm:
+    with LLM(
+        dtype="float32", kv_cache_dtype=kv, num_blocks=blocks, quantization=quantization
+    ) as llm:
         out = llm.generate([ids], sp)[0]
     lps, top = [], []
     for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
@@ -66,20 +70,24 @@ def cmd_quality(args: argparse.Namespace) -> None:
 
     n = max(args.positions)
     ids = corpus_ids(load_tokenizer("default"), n)
+    q = args.quantization
     runs = {}
-    for kv in KV_DTYPES:
+    for kv, quant in [("float32", None)] * (q is not None) + [(kv, q) for kv in KV_DTYPES]:
         t0 = time.perf_counter()
-        runs[kv] = teacher_forced(kv, ids)
-        print(f"  {kv}: {n} positions in {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"\nTeacher forced over the docs, float32 activations, windows of {args.window}")
+        runs[kv, quant] = teacher_forced(kv, ids, quant)
+        took = time.perf_counter() - t0
+        print(f"  {kv} {quant or ''}: {n} positions in {took:.0f} s", flush=True)
+    ref = runs["float32", None]
+    weights = f", {q} weights against float weights" if q else ""
+    print(f"\nTeacher forced over the docs, float32 activations{weights}, windows of {args.window}")
     print("| KV cache | window | top-1 agreement | perplexity | vs float32 |")
     print("| --- | --- | ---: | ---: | ---: |")
     for end in args.positions:
         lo, hi = end - args.window - 1, end - 1  # entry i predicts token i + 1
-        base = math.exp(-statistics.fmean(runs["float32"][0][lo:hi]))
+        base = math.exp(-statistics.fmean(ref[0][lo:hi]))
         for kv in KV_DTYPES:
-            lps, top = runs[kv]
-            agree = sum(a == b for a, b in zip(top[lo:hi], runs["float32"][1][lo:hi])) / (hi - lo)
+            lps, top = runs[kv, q]
+            agree = sum(a == b for a, b in zip(top[lo:hi], ref[1][lo:hi])) / (hi - lo)
             ppl = math.exp(-statistics.fmean(lps[lo:hi]))
             print(
                 f"| {kv} | {end - args.window}-{end} | {agree:.1%} | {ppl:.3f} | "
@@ -95,7 +103,14 @@ def cmd_decode(args: argparse.Namespace) -> None:
     for kv in args.kv_dtypes:
         for context in args.contexts:
             blocks = (context // 16 + 4) * 2 + 16 * 4
-            with LLM(kv_cache_dtype=kv, num_blocks=blocks, max_num_seqs=max(args.batches)) as llm:
+            with LLM(
+                kv_cache_dtype=kv,
+                num_blocks=blocks,
+                max_num_seqs=max(args.batches),
+                quantization=args.quantization,
+                rope_scaling=args.rope_scaling,
+                max_model_len=args.max_model_len,
+            ) as llm:
                 vocab = llm.engine.model_config.vocab_size
                 n = min(context, llm.engine.max_model_len - 40)  # room for the 32 tokens
                 prompt = [100 + (i * 7919) % (vocab - 200) for i in range(n)]
@@ -120,7 +135,13 @@ def cmd_prefill(args: argparse.Namespace) -> None:
     rows = []
     for kv in args.kv_dtypes:
         blocks = max(args.contexts) // 16 + 64
-        with LLM(kv_cache_dtype=kv, num_blocks=blocks) as llm:
+        with LLM(
+            kv_cache_dtype=kv,
+            num_blocks=blocks,
+            quantization=args.quantization,
+            rope_scaling=args.rope_scaling,
+            max_model_len=args.max_model_len,
+        ) as llm:
             vocab = llm.engine.model_config.vocab_size
             llm.generate([list(range(100, 164))], one)  # warm-up
             for k, context in enumerate(args.contexts):
@@ -153,6 +174,15 @@ def main() -> None:
     f.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     f.add_argument("--kv-dtypes", nargs="+", default=["auto", "bfloat16", "int8"])
     f.set_defaults(func=cmd_prefill)
+    for p in (q, d, f):
+        p.add_argument(
+            "--quantization",
+            choices=["int8", "w8a8"],
+            help="the engine's (quality: against float weights and a float32 cache)",
+        )
+    for p in (d, f):  # past the model's length (docs/long-context.md)
+        p.add_argument("--rope-scaling", help="JSON, as --rope-scaling of engine serve")
+        p.add_argument("--max-model-len", type=int)
     args = ap.parse_args()
     print(cpu_isa.this_cpu().describe(), flush=True)
     args.func(args)

@@ -32,6 +32,7 @@ PATHS = (
     "tests/kernels/test_decode_attention.py",
     "tests/kernels/test_float_matmul.py",
     "tests/kernels/test_gemm.py",
+    "tests/kernels/test_gemm_q8.py",
     "tests/kernels/test_int8_matmul.py",
     "tests/kernels/test_kv_quant.py",
     "tests/kernels/test_native.py",

@@ -58,7 +58,11 @@ ENGINE_FLAGS = (
         "--quantization",
         "quantization",
         None,
-        {"choices": ["int8"], "help": "weight-only int8 (16-bit dtypes)"},
+        {
+            "choices": ["int8", "w8a8"],
+            "help": "int8: weight-only int8 (16-bit dtypes); w8a8: int8 weights and activations "
+            "with a scale per block of 32, integer products (CPU only; docs/cpu.md)",
+        },
     ),
     EngineFlag(
         "--compile",

@@ -102,8 +102,7 @@ def build_parts(
     model = built.model
     # The weights as they will be held (int8, or 16-bit under float32 activations) before
     # the KV pool binds: its namespace hashes them, so KV of other weights never loads.
-    if config.quantization == "int8":
-        model.quantize_int8_()
+    model.quantize_(config.quantization)
     model.store_weights_(resolved_weight_dtype(config))
     layers = len(model.layers)  # a stage's cache holds its own layers only
     kv_dtype = resolved_kv_dtype(config)

@@ -57,7 +57,8 @@ class StepInputs:
 
 class ModelRunner:
     """Runs the model on scheduled steps. ``quantization="int8"`` swaps the model's weights for
-    int8 ones; ``compile=True`` compiles the decoder layers' dense parts (see compile_layers);
+    int8 ones, ``"w8a8"`` for W8A8 panels (int8 activations too); ``compile=True`` compiles the
+    decoder layers' dense parts (see compile_layers);
     ``pack_weights=True`` packs bf16 CPU weights for oneDNN (LlamaForCausalLM.pack_weights_).
     Decode-only steps of a few sequences run through the C decoder layers where they apply
     (LlamaForCausalLM.enable_native_decode)."""
@@ -79,10 +80,7 @@ class ModelRunner:
         model.bind_kv_cache(cache.kv)
         if self.device.type == "cpu":
             keep_freed_memory()
-        if quantization == "int8":
-            model.quantize_int8_()
-        elif quantization is not None:
-            raise ValueError(f"quantization must be None or int8, got {quantization!r}")
+        model.quantize_(quantization)
         self.compiled = compile
         if compile:
             compile_layers(model)

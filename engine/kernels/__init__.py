@@ -19,6 +19,7 @@ from engine.kernels.float_matmul import (
     float_matmul_native,
     float_matmul_ref,
 )
+from engine.kernels.gemm_q8 import gemm_q8_native, gemm_q8_ref
 from engine.kernels.int8_matmul import (
     INT8_GEMV_MAX_ROWS,
     int8_matmul_blocked,
@@ -87,6 +88,16 @@ def int8_matmul(x, qweight, scales):
     if x.device.type == "cpu" and x.shape[0] > INT8_GEMV_MAX_ROWS:
         return int8_matmul_blocked(x, qweight, scales)
     return int8_matmul_ref(x, qweight, scales)
+
+
+def gemm_q8(x, packed, n):
+    """x [rows, in] @ W^T with W8A8 panels (kernels/gemm_q8.py pack_q8 of W [n, in]), float32.
+    A CPU-only family: the C kernel, or its reference (the same bits, slowly)."""
+    if x.device.type != "cpu":
+        raise ValueError(f"w8a8 runs on the CPU only, got x on {x.device}")
+    if use_native(x.device):
+        return gemm_q8_native(x, packed, n)
+    return gemm_q8_ref(x, packed, n)
 
 
 def float_matmul(x, w):

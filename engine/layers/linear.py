@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_isa, kernels
+from engine.kernels.gemm_q8 import pack_q8
 from engine.layers.quant import int8_linear, quantize_int8
 
 PACK_BATCH_HINT = 16  # the rows oneDNN tunes the packed layout for (decode batches)
@@ -13,7 +14,8 @@ PACK_BATCH_HINT = 16  # the rows oneDNN tunes the packed layout for (decode batc
 
 class Linear(torch.nn.Module):
     """y = x W^T (+ b). Fused projections (qkv, gate_up) are one Linear over stacked weights.
-    ``quantize_int8_()`` swaps the float weight for int8 and per-row scales; ``store_weight_()``
+    ``quantize_int8_()`` swaps the float weight for int8 and per-row scales, ``quantize_w8a8_()``
+    for W8A8 panels (int8 activations too); ``store_weight_()``
     keeps it in a 16-bit dtype against float32 activations (EngineConfig.weight_dtype)."""
 
     def __init__(
@@ -30,6 +32,8 @@ class Linear(torch.nn.Module):
         )
         self.qweight: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
+        self.q8: torch.nn.Parameter | None = None  # W8A8 panels (quantize_w8a8_)
+        self.in_features, self.out_features = in_features, out_features
         self.packed: torch.Tensor | None = None  # oneDNN's blocked copy of a bf16 weight (CPU)
 
     @torch.no_grad()
@@ -46,6 +50,15 @@ class Linear(torch.nn.Module):
         self.weight = None  # the float copy is gone: int8 halves the bytes of a 16-bit weight
 
     @torch.no_grad()
+    def quantize_w8a8_(self) -> None:
+        """W8A8 (kernels/gemm_q8.py): the weight as 7-bit integers with a scale per block of 32,
+        in the C GEMM's panels; activations are quantized per row and block as it runs. A
+        parameter, so that the KV pool's model digest hashes the weights as held."""
+        self.out_features, self.in_features = self.weight.shape
+        self.q8 = torch.nn.Parameter(pack_q8(self.weight.detach()), False)
+        self.weight = None
+
+    @torch.no_grad()
     def store_weight_(self, dtype: torch.dtype) -> None:
         """Keep the weight in ``dtype`` (bf16 or fp16 under float32 activations): the forward
         widens it exactly (kernels.float_matmul) and decode steps stream half the bytes."""
@@ -54,6 +67,12 @@ class Linear(torch.nn.Module):
             self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q8 is not None:  # rounded to x's dtype, then the bias added (the C layer's order)
+            shape = x.shape
+            y = kernels.gemm_q8(x.reshape(-1, shape[-1]), self.q8, self.out_features).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*shape[:-1], self.out_features)
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scales, self.bias)
         if self.weight.dtype != x.dtype:  # 16-bit weights, float32 activations (store_weight_)

@@ -30,6 +30,7 @@ from engine.layers.attention_metadata import AttentionMetadata
 # 39.5). gemv.h takes up to 64 rows, in groups of 8 that share each weight row.
 MAX_ROWS = 16
 W_I8 = 3  # gemv.h's weight code for int8
+W_Q8 = 4  # gemm_q8.h's for W8A8 panels
 
 _ERRORS = {
     -1: "shapes beyond the C layer's limits",
@@ -44,7 +45,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def panels_of(lin) -> torch.Tensor | None:
     """The Linear's float weight packed for the fixed-order GEMM (kernels/gemm.py), packed once
-    and kept while the weight is the same tensor; None for int8 weights."""
+    and kept while the weight is the same tensor; None for int8 and W8A8 weights."""
     w = lin.weight
     if lin.qweight is not None or w is None:
         return None
@@ -60,6 +61,9 @@ def _proj(lin, dtype: torch.dtype, codes: dict[torch.dtype, int]) -> Proj | None
     bias = lin.bias
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
+    if lin.q8 is not None:  # W8A8 panels (kernels/gemm_q8.py), any row count
+        return Proj(W_Q8, None, None, _ptr(bias), lin.q8.data_ptr(), lin.out_features,
+                    lin.in_features)  # fmt: skip
     if lin.qweight is not None:
         qw, scales = lin.qweight, lin.scales
         if not (qw.is_contiguous() and scales.dtype == dtype and scales.is_contiguous()):

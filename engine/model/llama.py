@@ -145,7 +145,7 @@ class LlamaForCausalLM(torch.nn.Module):
         (prefill chunks, mixed steps, any batch) and the final norm and LM head too, so that a
         row's logits never depend on the rows beside it (EngineConfig.deterministic; not with
         int8 weights, whose prefill stays torch's). They apply to a model on the CPU whose C
-        kernels build here, with int8 weights (quantize_int8_ first) on any CPU, with float32,
+        kernels build here, with int8 or W8A8 weights (quantize_ first) on any CPU, with float32,
         bf16 or fp16 weights where the C row dots have their AVX-512 or AVX2 paths (cpu_isa:
         without them the row dots are plain loops, and a bf16 decode step took 64 ms against the
         torch layers' 24 ms; float32 at 1 x 512 under ENGINE_CPU_ISA=avx2 took 50 against 116 ms
@@ -156,11 +156,13 @@ class LlamaForCausalLM(torch.nn.Module):
         from engine import cpu_isa
 
         int8 = self.lm_qweight is not None
+        w8a8 = any(layer.qkv_proj.q8 is not None for layer in self.layers)
         self.native_decode = (
             (self.stage.is_whole or deterministic)
             and self.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and self.device.type == "cpu"
-            and (int8 or cpu_isa.this_cpu().c_float_row_dots)
+            # int8 and W8A8 weights: the torch layers would call the same C kernels
+            and (int8 or w8a8 or cpu_isa.this_cpu().c_float_row_dots)
             and kernels.use_native(self.device)
             # bf16 weights under float32 activations: not where the int8-free row dots are
             # AVX512-BF16's, which round the rows to bf16 (kernels/float_matmul.py rounds_rows);
@@ -252,6 +254,30 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.lm_head is not None:
             self.lm_qweight, self.lm_scales = quantize_int8(self.lm_head, self.dtype)
         self._native = self.lm_panels = None
+
+    @torch.no_grad()
+    def quantize_w8a8_(self) -> None:
+        """W8A8 (kernels/gemm_q8.py) for every projection: 7-bit weights and, as each GEMM runs,
+        8-bit activations, a float32 scale per block of 32 on both sides, integer products. The
+        LM head stays float (the deterministic step's float32 GEMM), as do norms, rotary, the
+        attention and the KV cache (its own --kv-cache-dtype). CPU only. Once."""
+        if self.device.type != "cpu":
+            raise ValueError(f"quantization w8a8 runs on the CPU only, not {self.device}")
+        if any(layer.qkv_proj.q8 is not None for layer in self.layers):
+            return
+        for layer in self.layers:
+            for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.quantize_w8a8_()
+        self._native = self.lm_panels = None
+
+    def quantize_(self, quantization: str | None) -> None:
+        """EngineConfig.quantization: None, "int8" (quantize_int8_) or "w8a8" (quantize_w8a8_)."""
+        if quantization == "int8":
+            self.quantize_int8_()
+        elif quantization == "w8a8":
+            self.quantize_w8a8_()
+        elif quantization is not None:
+            raise ValueError(f"quantization must be None, int8 or w8a8, got {quantization!r}")
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D], num_layers the layers this

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_builds import build_for
 from paged_inputs import TOL, random_paged_cache
 
 from engine.kernels import native
@@ -141,22 +142,10 @@ def test_an_int8_cache_gives_the_same_products_on_every_build(tmp_path, monkeypa
     # attention_i8.h: an int8 cache's scores and weighted sums are exact integer sums, whatever
     # computes them: AVX-512 without VNNI (vpmaddwd + vpaddd), AVX2, the plain loops. The vector
     # builds give this build's bits; the plain one too up to its softmax's order of summing.
-    import platform
-    import subprocess
-
-    from engine.kernels.native import _HERE, FLAGS, SOURCES, load_library
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("these builds target x86-64")
     q, k, v, tables, seq, causal = sequences([600, 40], torch.float32, kv_dtype=torch.int8)
     here = rows(q, k, v, tables, seq, causal, range(640))
-    lib_path = tmp_path / f"native-{march}.so"
-    subprocess.run(
-        [native.compiler(), *FLAGS, f"-march={march}", *(str(_HERE / s) for s in SOURCES), "-o",
-         str(lib_path), "-lm"],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    monkeypatch.setattr(native, "library_for", lambda **_: load_library(lib_path))
+    lib = build_for(march, tmp_path)
+    monkeypatch.setattr(native, "library_for", lambda **_: lib)
     got = rows(q, k, v, tables, seq, causal, range(640))
     if march == "x86-64":
         torch.testing.assert_close(got, here, rtol=1e-4, atol=1e-4)

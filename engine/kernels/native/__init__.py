@@ -86,6 +86,8 @@ _SIGNATURES = {
     # dtype, x, weight, out, rows, n, eps, threads
     "engine_rms_norm": [_I, _P, _P, _P, _I64, _I, _F, _I],
     "engine_gemm": [_I, _I, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I],
+    # x dtype, x, W8A8 panels, y (float32), rows, N, K, x row stride, y row stride, threads
+    "engine_gemm_q8": [_I, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I],
 }
 
 
@@ -228,6 +230,8 @@ def load_library(path: str | os.PathLike[str]) -> ctypes.CDLL:
     lib.engine_decode_attention_path.restype = ctypes.c_char_p
     lib.engine_gemm_path.argtypes = []
     lib.engine_gemm_path.restype = ctypes.c_char_p
+    lib.engine_gemm_q8_path.argtypes = []
+    lib.engine_gemm_q8_path.restype = ctypes.c_char_p
     problems = structs.check(lib)
     if problems:
         raise NativeUnavailable(
@@ -290,6 +294,15 @@ def gemm_path() -> str:
     if lib is None:
         raise NativeUnavailable(str(_state["error"]))
     return lib.engine_gemm_path().decode()
+
+
+def gemm_q8_path() -> str:
+    """The path the loaded W8A8 GEMM (gemm_q8.h) was compiled with: "avx512vnni", "avx2" or "c"
+    (the same bits). NativeUnavailable where the kernels cannot be built."""
+    lib = library()
+    if lib is None:
+        raise NativeUnavailable(str(_state["error"]))
+    return lib.engine_gemm_q8_path().decode()
 
 
 def library_for(**tensors: torch.Tensor) -> ctypes.CDLL:

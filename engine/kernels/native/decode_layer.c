@@ -21,6 +21,7 @@
 #include "dtypes.h"
 #include "exp_poly.h"
 #include "gemm.h"
+#include "gemm_q8.h"
 #include "gemv.h"
 #include "steal.h"
 
@@ -67,11 +68,11 @@ int engine_decode_attention(int dt, int kdt, const void *q, const void *k_cache,
 
 /* A projection y = x W^T (* scales) (+ bias). */
 #define PROJ_FIELDS(X)                                                                            \
-    X(int, wt)              /* weight code (gemv.h): the model dtype's, or W_I8 */                \
+    X(int, wt)              /* weight code (gemv.h): the model dtype's, W_I8 or W_Q8 */           \
     X(const void *, w)      /* [n, k] contiguous */                                               \
     X(const void *, scales) /* [n] in the model dtype (int8 only) */                              \
     X(const void *, bias)   /* [n] in the model dtype, or NULL */                                 \
-    X(const void *, panels) /* float w packed for gemm.h (gemm.py pack_panels), or NULL */        \
+    X(const void *, panels) /* w packed for gemm.h (pack_panels) or gemm_q8.h (W_Q8), or NULL */  \
     X(int64_t, n)                                                                                 \
     X(int64_t, k)
 typedef struct {
@@ -202,7 +203,11 @@ static int project_rows(int dt, const Proj *p, const float *x, int rows, float *
 static int project(int dt, const Proj *p, const float *x, int rows, float *y, int threads) {
     const int64_t N = p->n, K = p->k;
     if (p->panels && p->wt != W_I8) {
-        gemm_packed(p->wt, x, K, rows, K, p->panels, N, y, N, threads, dt == DT_BF16);
+        if (p->wt == W_Q8) { /* W8A8 panels (gemm_q8.h): x's rows quantized as it runs */
+            if (gemm_q8(DT_F32, x, K, rows, K, p->panels, N, y, N, threads)) return -2;
+        } else {
+            gemm_packed(p->wt, x, K, rows, K, p->panels, N, y, N, threads, dt == DT_BF16);
+        }
         if (dt == DT_F32 && !p->bias) return 0;
         if (dt == DT_BF16 && !p->bias) { /* rnd, branch-free (it vectorises), rows in parallel */
             const int R = rows, th = threads;
