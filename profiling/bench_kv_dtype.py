@@ -4,6 +4,7 @@ against a float32 cache, and what they save in decode time at long contexts.
     .venv/bin/python profiling/bench_kv_dtype.py quality
     .venv/bin/python profiling/bench_kv_dtype.py quality --positions 4096 8191 --window 512
     .venv/bin/python profiling/bench_kv_dtype.py decode --contexts 2048 8192 --batches 1 16
+    .venv/bin/python profiling/bench_kv_dtype.py decode --contexts 8192 --batches 16 --distinct
     .venv/bin/python profiling/bench_kv_dtype.py prefill --contexts 1024 8192
 
 quality: the repository's own docs (docs/*.md and the README, in order) as one text, its first
@@ -18,7 +19,9 @@ decode: time per output token (TPOT) at a context: ``batch`` requests that share
 ``context`` tokens (less 40 where that is the model's length), computed once and then a prefix
 hit for each (every request still reads the whole context at every step), decode 32 tokens;
 TPOT is the mean over requests of (last token - first token) / 31, the engine's timestamps.
-Per KV dtype, with the engine's defaults otherwise (``dtype=auto``).
+Per KV dtype, with the engine's defaults otherwise (``dtype=auto``). ``--distinct``: a prompt of
+its own per request, all computed first, so that a step reads batch x context of KV (shared, one
+prompt's blocks stay in the CPU's caches across the batch's rows).
 
 prefill: time to first token of a unique prompt (no prefix shared) of each length, per KV dtype.
 Report the CPU beside the figures: the first line of every subcommand says it.
@@ -102,7 +105,8 @@ def cmd_decode(args: argparse.Namespace) -> None:
     rows = []
     for kv in args.kv_dtypes:
         for context in args.contexts:
-            blocks = (context // 16 + 4) * 2 + 16 * 4
+            copies = max(args.batches) if args.distinct else 2
+            blocks = (context // 16 + 4) * copies + 16 * 4
             with LLM(
                 kv_cache_dtype=kv,
                 num_blocks=blocks,
@@ -113,10 +117,14 @@ def cmd_decode(args: argparse.Namespace) -> None:
             ) as llm:
                 vocab = llm.engine.model_config.vocab_size
                 n = min(context, llm.engine.max_model_len - 40)  # room for the 32 tokens
-                prompt = [100 + (i * 7919) % (vocab - 200) for i in range(n)]
-                llm.generate([prompt], SamplingParams(max_tokens=1))  # the shared prefix
+                prompts = [
+                    [100 + (i * 7919 + 31 * j) % (vocab - 200) for i in range(n)]
+                    for j in range(max(args.batches) if args.distinct else 1)
+                ]
+                llm.generate(prompts, SamplingParams(max_tokens=1))  # the prefixes, cached
                 for batch in args.batches:
-                    outs = llm.generate([prompt] * batch, sp)
+                    batch_prompts = prompts[:batch] if args.distinct else prompts * batch
+                    outs = llm.generate(batch_prompts, sp)
                     tpot = statistics.fmean(
                         (o.metrics.last_token_time - o.metrics.first_token_time) / 31 for o in outs
                     )
@@ -169,6 +177,12 @@ def main() -> None:
     d.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     d.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     d.add_argument("--kv-dtypes", nargs="+", default=["auto", "bfloat16", "int8"])
+    d.add_argument(
+        "--distinct",
+        action="store_true",
+        help="a prompt of its own per request (each step reads batch x context of KV; without "
+        "it the batch shares one prompt's blocks, which stay in the CPU's caches)",
+    )
     d.set_defaults(func=cmd_decode)
     f = sub.add_parser("prefill", help="TTFT of a unique prompt per KV dtype")
     f.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
