@@ -15,8 +15,9 @@
    order, so every path gives the same bits: AVX2's vpmaddubsw (the unsigned q + 64 times the
    signed weights, pairs summed to int16: at most 2 x 127 x 127 = 32258, below int16's
    saturation, which is why activations get 7 bits: 8-bit ones would need vpsignb per product
-   pair, measured 1.3x slower here), AVX512-VNNI's vpdpbusd and plain C loops; 64 x each block's
-   weight sum comes off after. Where the float32 FMA GEMM (gemm.h) does 8 products an instruction
+   pair, measured 1.3x slower here), AVX512-VNNI's vpdpbusd (64 products an instruction: a
+   panel's quad of 16 rows is one zmm register; the float32 chains stay in registers) and plain
+   C loops; 64 x each block's weight sum comes off after. Where the float32 FMA GEMM (gemm.h) does 8 products an instruction
    on AVX2, vpmaddubsw does 32 (with a vpmaddwd and a vpaddd).
 
    W's layout (pack_q8): panels of GEMM_NR output rows, each KB blocks of Q8_BLOCK_BYTES: the
@@ -158,6 +159,73 @@ static inline __attribute__((always_inline)) void q8_tile(const uint8_t *xq, int
     for (int r = 0; r < R; r++) memcpy(y + r * ldy, acc[r], sizeof(float) * (size_t)cols);
 }
 
+#if defined(Q8_VNNI)
+#define Q8_MR512 4 /* rows per AVX-512 tile: 4 x 2 int32 sums and 4 x 2 float32 chains */
+
+/* The AVX512-VNNI tile: R rows (<= Q8_MR512) against NP (1 or 2) panels, the second pstride
+   bytes after the first; a panel's quad of 16 rows is one 64-byte register, so one vpdpbusd
+   takes 64 products. The float32 chains stay in registers. R and NP constants once inlined. */
+static inline __attribute__((always_inline)) void q8_tile512(const uint8_t *xq, int64_t ldq,
+                                                             const float *xs, int64_t lds, int R,
+                                                             int NP, const char *panel,
+                                                             int64_t pstride, int64_t KB,
+                                                             float *y, int64_t ldy, int cols) {
+    __m512 acc[Q8_MR512][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < KB; b++) {
+        __m512i sum[Q8_MR512][2];
+        for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+        const char *pb = panel + b * Q8_BLOCK_BYTES;
+        for (int q = 0; q < Q8_QUADS; q++) {
+            __m512i w[2];
+            for (int c = 0; c < NP; c++)
+                w[c] = _mm512_loadu_si512((const void *)(pb + c * pstride + q * 64));
+            for (int r = 0; r < R; r++) {
+                int32_t quad;
+                memcpy(&quad, xq + r * ldq + b * Q8_BLOCK + q * 4, sizeof quad);
+                const __m512i a = _mm512_set1_epi32(quad);
+                for (int c = 0; c < NP; c++) sum[r][c] = _mm512_dpbusd_epi32(sum[r][c], a, w[c]);
+            }
+        }
+        for (int c = 0; c < NP; c++) {
+            const char *pc = pb + c * pstride + Q8_QBYTES;
+            const __m512 sw = _mm512_loadu_ps((const float *)pc);
+            const __m512i cw = _mm512_loadu_si512((const void *)(pc + 64));
+            for (int r = 0; r < R; r++) {
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][c], cw));
+                const __m512 s = _mm512_mul_ps(_mm512_set1_ps(xs[r * lds + b]), sw);
+                acc[r][c] = _mm512_fmadd_ps(f, s, acc[r][c]);
+            }
+        }
+    }
+    for (int c = 0; c < NP; c++) {
+        const int left = cols - c * GEMM_NR;
+        const __mmask16 m = left >= GEMM_NR ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy + c * GEMM_NR, m, acc[r][c]);
+    }
+}
+
+/* Rows [0, M) in tiles of Q8_MR512 (the last smaller) against NP panels. */
+static inline __attribute__((always_inline)) void q8_rows512(const uint8_t *xq, int64_t ldq,
+                                                             const float *xs, int64_t lds,
+                                                             int64_t M, int NP, const char *panel,
+                                                             int64_t pstride, int64_t KB,
+                                                             float *y, int64_t ldy, int cols) {
+    int64_t m = 0;
+#define Q8_TILE(R)                                                                             \
+    q8_tile512(xq + m * ldq, ldq, xs + m * lds, lds, R, NP, panel, pstride, KB, y + m * ldy,  \
+               ldy, cols)
+    for (; m + Q8_MR512 <= M; m += Q8_MR512) Q8_TILE(Q8_MR512);
+    switch (M - m) {
+    case 1: Q8_TILE(1); break;
+    case 2: Q8_TILE(2); break;
+    case 3: Q8_TILE(3); break;
+    default: break;
+    }
+#undef Q8_TILE
+}
+#endif
+
 /* Rows [0, M) in tiles of Q8_MR (the last smaller) against one panel. */
 static void q8_rows(const uint8_t *xq, int64_t ldq, const float *xs, int64_t lds, int64_t M,
                     const char *panel, int64_t KB, float *y, int64_t ldy, int cols) {
@@ -193,12 +261,23 @@ static int gemm_q8(int dt, const void *x, int64_t ldx, int64_t M, int64_t K, con
     const int64_t mblocks = few ? 1 : (M + GEMM_MC - 1) / GEMM_MC, mc = few ? M : GEMM_MC;
     STEAL_FOR(item, threads, pgroups * mblocks) {
         const GemmItem it = gemm_item(item, mblocks, mc, M, panels, N);
+#if defined(Q8_VNNI)
+        const char *p0 = (const char *)wp + it.p0 * pstride;
+        float *y0 = y + it.m0 * ldy + it.n0;
+        if (it.np == 2)
+            q8_rows512(xq + it.m0 * ldq, ldq, xs + it.m0 * KB, KB, it.m1 - it.m0, 2, p0, pstride,
+                       KB, y0, ldy, it.cols);
+        else
+            q8_rows512(xq + it.m0 * ldq, ldq, xs + it.m0 * KB, KB, it.m1 - it.m0, 1, p0, pstride,
+                       KB, y0, ldy, it.cols);
+#else
         for (int c = 0; c < it.np; c++) {
             const int left = it.cols - c * GEMM_NR, cols = left < GEMM_NR ? left : GEMM_NR;
             q8_rows(xq + it.m0 * ldq, ldq, xs + it.m0 * KB, KB, it.m1 - it.m0,
                     (const char *)wp + (it.p0 + c) * pstride, KB, y + it.m0 * ldy + it.n0 + c * GEMM_NR,
                     ldy, cols);
         }
+#endif
     }
     free(xq);
     return 0;
