@@ -31,7 +31,7 @@ WMAX = 127  # gemm_q8.h Q8_WMAX
 AMAX = 63  # gemm_q8.h Q8_AMAX
 OFFSET = 64  # gemm_q8.h Q8_OFFSET
 PANEL = 16  # gemm.h GEMM_NR
-BLOCK_BYTES = BLOCK * PANEL + PANEL * 4 + PANEL * 4  # quads, scales, OFFSET x sums
+BLOCK_BYTES = BLOCK * PANEL + PANEL * 4 + PANEL * 4  # quads, scales, -OFFSET x sums
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -61,7 +61,8 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_q8(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] float -> the W8A8 panels gemm_q8.h reads: uint8 [ceil(N / PANEL), KB,
     BLOCK_BYTES], each block the quads ([BLOCK / 4][PANEL][4] int8), the PANEL scales (float32)
-    and OFFSET x each row's block sum (int32); rows past N zero."""
+    and -OFFSET x each row's block sum (int32, added to remove the activations' offset); rows
+    past N zero."""
     check_tensor("w", w, ndim=2, dtypes=_FLOATS)
     q, scales = quantize_weight(w.detach().cpu())
     n, kp = q.shape
@@ -71,7 +72,7 @@ def pack_q8(w: torch.Tensor) -> torch.Tensor:
     sp = torch.zeros(panels * PANEL, kb, dtype=torch.float32)
     sp[:n] = scales
     quads = qp.view(panels, PANEL, kb, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
-    sums = qp.view(panels, PANEL, kb, BLOCK).to(torch.int32).sum(dim=3) * OFFSET
+    sums = qp.view(panels, PANEL, kb, BLOCK).to(torch.int32).sum(dim=3) * -OFFSET
     sums = sums.to(torch.int32)
     parts = (
         quads.contiguous().view(torch.uint8).reshape(panels, kb, BLOCK * PANEL),

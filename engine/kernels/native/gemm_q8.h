@@ -17,12 +17,13 @@
    saturation, which is why activations get 7 bits: 8-bit ones would need vpsignb per product
    pair, measured 1.3x slower here), AVX512-VNNI's vpdpbusd (64 products an instruction: a
    panel's quad of 16 rows is one zmm register; the float32 chains stay in registers) and plain
-   C loops; 64 x each block's weight sum comes off after. Where the float32 FMA GEMM (gemm.h) does 8 products an instruction
-   on AVX2, vpmaddubsw does 32 (with a vpmaddwd and a vpaddd).
+   C loops; the offsets come off by adding -64 x each block's weight sum. Where the float32 FMA
+   GEMM (gemm.h) does 8 products an instruction on AVX2, vpmaddubsw does 32 (with a vpmaddwd and
+   a vpaddd).
 
    W's layout (pack_q8): panels of GEMM_NR output rows, each KB blocks of Q8_BLOCK_BYTES: the
    block's 8 quads of k, each 16 rows x 4 bytes ([quad][row][4]), then the 16 rows' scales
-   (float32), then 64 x each row's sum of the block's weights (int32). */
+   (float32), then -64 x each row's sum of the block's weights (int32). */
 
 #ifndef ENGINE_NATIVE_GEMM_Q8_H
 #define ENGINE_NATIVE_GEMM_Q8_H
@@ -127,13 +128,13 @@ static inline __attribute__((always_inline)) void q8_tile(const uint8_t *xq, int
         }
         const __m256 sw0 = _mm256_loadu_ps((const float *)(pb + Q8_QBYTES));
         const __m256 sw1 = _mm256_loadu_ps((const float *)(pb + Q8_QBYTES) + 8);
-        /* the offsets added to q come off: Q8_OFFSET x the block's weight sum */
+        /* the offsets added to q come off: -Q8_OFFSET x the block's weight sum, added */
         const __m256i c0 = _mm256_loadu_si256((const __m256i *)(pb + Q8_QBYTES + 64));
         const __m256i c1 = _mm256_loadu_si256((const __m256i *)(pb + Q8_QBYTES + 96));
         for (int r = 0; r < R; r++) {
             const __m256 sa = _mm256_set1_ps(xs[r * lds + b]);
-            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][0], c0));
-            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][1], c1));
+            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_add_epi32(sum[r][0], c0));
+            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_add_epi32(sum[r][1], c1));
             _mm256_storeu_ps(acc[r], _mm256_fmadd_ps(f0, _mm256_mul_ps(sa, sw0),
                                                      _mm256_loadu_ps(acc[r])));
             _mm256_storeu_ps(acc[r] + 8, _mm256_fmadd_ps(f1, _mm256_mul_ps(sa, sw1),
@@ -152,7 +153,7 @@ static inline __attribute__((always_inline)) void q8_tile(const uint8_t *xq, int
                     s += (int32_t)xq[r * ldq + b * Q8_BLOCK + i] *
                          (int32_t)((const int8_t *)pb)[(i / 4) * 64 + j * 4 + i % 4];
                 const float scale = xs[r * lds + b] * sw[j];
-                acc[r][j] = fmaf((float)(s - cw[j]), scale, acc[r][j]);
+                acc[r][j] = fmaf((float)(s + cw[j]), scale, acc[r][j]);
             }
     }
 #endif
@@ -173,9 +174,12 @@ static inline __attribute__((always_inline)) void q8_tile512(const uint8_t *xq, 
     __m512 acc[Q8_MR512][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < KB; b++) {
-        __m512i sum[Q8_MR512][2];
-        for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
         const char *pb = panel + b * Q8_BLOCK_BYTES;
+        __m512i sum[Q8_MR512][2]; /* from -64 x the block's weight sums: the offsets come off */
+        for (int c = 0; c < NP; c++) {
+            const __m512i cw = _mm512_loadu_si512((const void *)(pb + c * pstride + Q8_QBYTES + 64));
+            for (int r = 0; r < R; r++) sum[r][c] = cw;
+        }
         for (int q = 0; q < Q8_QUADS; q++) {
             __m512i w[2];
             for (int c = 0; c < NP; c++)
@@ -190,9 +194,8 @@ static inline __attribute__((always_inline)) void q8_tile512(const uint8_t *xq, 
         for (int c = 0; c < NP; c++) {
             const char *pc = pb + c * pstride + Q8_QBYTES;
             const __m512 sw = _mm512_loadu_ps((const float *)pc);
-            const __m512i cw = _mm512_loadu_si512((const void *)(pc + 64));
             for (int r = 0; r < R; r++) {
-                const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][c], cw));
+                const __m512 f = _mm512_cvtepi32_ps(sum[r][c]);
                 const __m512 s = _mm512_mul_ps(_mm512_set1_ps(xs[r * lds + b]), sw);
                 acc[r][c] = _mm512_fmadd_ps(f, s, acc[r][c]);
             }
