@@ -96,3 +96,19 @@ def test_speculative_config_names_the_bad_field():
     with pytest.raises(ValueError, match="speculative_config: unknown field 'k'"):
         SpeculativeConfig.from_dict({"method": "ngram", "k": 3})
     assert SpeculativeConfig.from_dict({"method": "suffix"}) == SpeculativeConfig(method="suffix")
+
+
+def test_quantization_takes_int8_and_w8a8_from_the_command_line():
+    import argparse
+
+    from engine.cli.engine_options import add_engine_options, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_options(p)
+    for name in ("int8", "w8a8"):
+        args = p.parse_args(["--quantization", name])
+        assert engine_config_from_args(args).quantization == name
+    with pytest.raises(SystemExit):  # argparse names the choices
+        p.parse_args(["--quantization", "fp4"])
+    with pytest.raises(ValueError, match="quantization must be None or one of int8, w8a8"):
+        EngineConfig(quantization="fp4")

@@ -63,3 +63,21 @@ def test_bad_fields_are_named():
         KVNamespace("d", "float32", 0, 1, 1, 1)
     with pytest.raises(ValueError, match="dtype"):
         KVNamespace("d", "float33", 16, 1, 1, 1)
+
+
+def test_quantized_weights_change_the_id():
+    # int8 and W8A8 compute other KV from the same file: their blocks must never mix
+    from engine.layers.linear import Linear
+
+    def model(quantization: str | None) -> torch.nn.Module:
+        torch.manual_seed(0)
+        lin = Linear(64, 32, False, torch.float32, "cpu")
+        torch.nn.init.normal_(lin.weight)
+        if quantization == "int8":
+            lin.quantize_int8_()
+        elif quantization == "w8a8":
+            lin.quantize_w8a8_()
+        return lin
+
+    ids = {make_namespace(CFG, model(q), torch.float32, 16).id for q in (None, "int8", "w8a8")}
+    assert len(ids) == 3
