@@ -46,7 +46,9 @@ class Linear(torch.nn.Module):
     @torch.no_grad()
     def quantize_int8_(self) -> None:
         qw = quantize_int8(self.weight, self.weight.dtype)
-        self.qweight, self.scales = qw.qweight, qw.scales
+        # parameters, so that the KV pool's model digest hashes the weights as held
+        self.qweight = torch.nn.Parameter(qw.qweight, False)
+        self.scales = torch.nn.Parameter(qw.scales, False)
         self.weight = None  # the float copy is gone: int8 halves the bytes of a 16-bit weight
 
     @torch.no_grad()

@@ -81,3 +81,12 @@ def test_quantized_weights_change_the_id():
 
     ids = {make_namespace(CFG, model(q), torch.float32, 16).id for q in (None, "int8", "w8a8")}
     assert len(ids) == 3
+    for q in ("int8", "w8a8"):  # and other weights under the same quantization, another id
+        other = model(q)
+        with torch.no_grad():
+            for p in other.parameters():
+                if p.dtype == torch.float32:
+                    p.mul_(2.0)  # the scales (int8) or nothing (w8a8's bytes)
+                else:
+                    p.copy_(p.flip(-1))
+        assert make_namespace(CFG, other, torch.float32, 16).id not in ids, q
