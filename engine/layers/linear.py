@@ -53,7 +53,7 @@ class Linear(torch.nn.Module):
 
     @torch.no_grad()
     def quantize_w8a8_(self) -> None:
-        """W8A8 (kernels/gemm_q8.py): the weight as 7-bit integers with a scale per block of 32,
+        """W8A8 (kernels/gemm_q8.py): the weight as 8-bit integers with a scale per block of 32,
         in the C GEMM's panels; activations are quantized per row and block as it runs. A
         parameter, so that the KV pool's model digest hashes the weights as held."""
         self.out_features, self.in_features = self.weight.shape

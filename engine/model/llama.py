@@ -257,8 +257,8 @@ class LlamaForCausalLM(torch.nn.Module):
 
     @torch.no_grad()
     def quantize_w8a8_(self) -> None:
-        """W8A8 (kernels/gemm_q8.py) for every projection: 7-bit weights and, as each GEMM runs,
-        8-bit activations, a float32 scale per block of 32 on both sides, integer products. The
+        """W8A8 (kernels/gemm_q8.py) for every projection: 8-bit weights and, as each GEMM runs,
+        7-bit activations, a float32 scale per block of 32 on both sides, integer products. The
         LM head stays float (the deterministic step's float32 GEMM), as do norms, rotary, the
         attention and the KV cache (its own --kv-cache-dtype). CPU only. Once."""
         if self.device.type != "cpu":
