@@ -49,11 +49,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     together = gemm_q8_native(x, packed, 70)
     for rows in ([0], [5, 6, 7], list(range(97, 203)), [202]):
         assert torch.equal(gemm_q8_native(x[rows], packed, 70), together[rows])
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         assert torch.equal(gemm_q8_native(x, packed, 70), together)
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
 
 
 def test_the_error_stays_within_its_bound():
