@@ -172,11 +172,16 @@ static inline __attribute__((always_inline)) void i8a_tile(const int16_t *x, int
             acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, b1));
         }
     }
-    int32_t out[TILE_KEYS];
     for (int r = 0; r < R; r++) {
-        _mm256_storeu_si256((__m256i *)out, acc[r][0]);
-        _mm256_storeu_si256((__m256i *)(out + 8), acc[r][1]);
-        memcpy(y + r * ldy, out, sizeof(int32_t) * (size_t)(cols < TILE_KEYS ? cols : TILE_KEYS));
+        if (cols >= TILE_KEYS) { /* a whole panel: stored in place, not through libc's memcpy */
+            _mm256_storeu_si256((__m256i *)(y + r * ldy), acc[r][0]);
+            _mm256_storeu_si256((__m256i *)(y + r * ldy + 8), acc[r][1]);
+        } else {
+            int32_t out[TILE_KEYS];
+            _mm256_storeu_si256((__m256i *)out, acc[r][0]);
+            _mm256_storeu_si256((__m256i *)(out + 8), acc[r][1]);
+            memcpy(y + r * ldy, out, sizeof(int32_t) * (size_t)cols);
+        }
     }
 }
 #define I8A_TILE_PANELS 1

@@ -157,7 +157,12 @@ static inline __attribute__((always_inline)) void q8_tile(const uint8_t *xq, int
             }
     }
 #endif
-    for (int r = 0; r < R; r++) memcpy(y + r * ldy, acc[r], sizeof(float) * (size_t)cols);
+    for (int r = 0; r < R; r++) { /* a whole panel as a constant size: inlined, not libc's */
+        if (cols == GEMM_NR)
+            memcpy(y + r * ldy, acc[r], sizeof(float) * GEMM_NR);
+        else
+            memcpy(y + r * ldy, acc[r], sizeof(float) * (size_t)cols);
+    }
 }
 
 #if defined(Q8_VNNI)
