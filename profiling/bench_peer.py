@@ -30,6 +30,10 @@ output length with ignore_eos; warm-up requests first):
   conversation has finished (engine/bench/trace.py send_turns says why); TTFT from the send.
   The first 6 turns all arrive at the trace's start. Not by default.
 
+After ``trace``, a floor: the turns' multiply-accumulates (engine/bench/floor.py: projections
+and exact attention past each turn's cached whole blocks) at the rate of the engine's W8A8 GEMM
+measured then, the fastest products it has on the CPU class it runs as; no mean TTFT below it.
+
 llama-server runs with the model's GGUF, 16 slots (``-np``; for ``trace-arrivals`` one per
 conversation where that is more: at most one turn of each is in flight), continuous batching,
 its defaults otherwise (its host prompt cache on) and the same thread count; transformers runs
@@ -56,7 +60,8 @@ import time
 import httpx
 import numpy as np
 
-from engine.bench.machine import ceilings
+from engine.bench.floor import floor_line, workload_macs
+from engine.bench.machine import ceilings, q8_gemm_gmac_s
 from engine.bench.serve import load_tokenizer
 from engine.bench.servers import Server, chat_ids, gguf_file, stream_completion, thread_env
 from engine.bench.summary import median_over_rounds, round_order
@@ -409,6 +414,8 @@ def main() -> int:
                         f"in order ({conc} conversations)"
                     )
                 n_in = sum(len(p) for p in prompts)
+                if w == "trace" and i == 0:
+                    trace_prompts = prompts
                 rows = {}
                 # Each round both servers in turn, the order reversed every other round (ABBA):
                 # on a shared machine a drift then favours neither.
@@ -458,6 +465,16 @@ def main() -> int:
         f"batch-1 decode floor of the engine's weights ({params / 1e6:.0f} M params x {bpp:g} "
         f"bytes at the GEMV bandwidth): {floor:.1f} tok/s"
     )
+    trace = res["workloads"].get("trace")
+    q8 = q8_gemm_gmac_s() if trace else None
+    if q8:  # the least mean TTFT the trace allows at the engine's fastest products
+        from engine.config import CacheConfig  # the engine's default block size
+        from engine.model.gguf_loader import config_from_gguf, read_gguf
+
+        cfg = config_from_gguf(*read_gguf(gguf), gguf)
+        macs = workload_macs(cfg, trace_prompts, CacheConfig().block_size)
+        peer = trace.get("llama-server", {}).get("ttft_mean_s")
+        print(floor_line(macs, q8[0], f"the engine's W8A8 GEMM rate now ({q8[1]})", peer))
     b1 = res["workloads"].get("batch1", {})
     for name, r in b1.items():
         print(f"batch-1 decode {name}: {1e3 / r['tpot_p50_ms']:.1f} tok/s")
