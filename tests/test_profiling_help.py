@@ -164,3 +164,27 @@ def test_bench_native_ab_builds_a_revision_and_alternates_the_two_builds():
         ("layers", "work"): 7,
     }
     assert any(line.startswith("layers: work faster in") for line in out.stdout.splitlines())
+
+
+def test_bench_product_peak_builds_for_the_class_and_times_its_mixes():
+    """``bench_product_peak.py`` builds profiling/product_peak.c with the engine's target flags:
+    under the AVX2 cap only the ymm mixes, each with a positive rate, and no torch warning."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(PROFILING, "bench_product_peak.py"), "--iterations", "1000"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ENGINE_CPU_ISA": "avx2"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ISA level avx2" in out.stdout.splitlines()[0]
+    rows = [
+        r.split("|")[1:-1]
+        for r in out.stdout.splitlines()
+        if r.startswith("| ") and "GMAC" not in r
+    ]
+    rows = [[c.strip() for c in r] for r in rows if not r[0].startswith(" ---")]
+    assert [r[0] for r in rows] == ["fma f32 ymm", "int16 ymm", "int8 ymm"]
+    assert [r[1] for r in rows] == ["8", "16", "32"]
+    assert all(float(r[2]) > 0 for r in rows)
+    assert "torch was imported before engine" not in out.stderr
