@@ -5,6 +5,7 @@ against a float32 cache, and what they save in decode time at long contexts.
     .venv/bin/python profiling/bench_kv_dtype.py quality --positions 4096 8191 --window 512
     .venv/bin/python profiling/bench_kv_dtype.py decode --contexts 2048 8192 --batches 1 16
     .venv/bin/python profiling/bench_kv_dtype.py decode --contexts 8192 --batches 16 --distinct
+    .venv/bin/python profiling/bench_kv_dtype.py decode --llama-batched-bench PATH
     .venv/bin/python profiling/bench_kv_dtype.py prefill --contexts 1024 8192
 
 quality: the repository's own docs (docs/*.md and the README, in order) as one text, its first
@@ -21,7 +22,8 @@ hit for each (every request still reads the whole context at every step), decode
 TPOT is the mean over requests of (last token - first token) / 31, the engine's timestamps.
 Per KV dtype, with the engine's defaults otherwise (``dtype=auto``). ``--distinct``: a prompt of
 its own per request, all computed first, so that a step reads batch x context of KV (shared, one
-prompt's blocks stay in the CPU's caches across the batch's rows).
+prompt's blocks stay in the CPU's caches across the batch's rows). ``--llama-batched-bench
+PATH``: llama.cpp's own at the same contexts and batches, after the engine's (llama_decode).
 
 prefill: time to first token of a unique prompt (no prefix shared) of each length, per KV dtype.
 Report the CPU beside the figures: the first line of every subcommand says it.
@@ -102,7 +104,7 @@ def cmd_decode(args: argparse.Namespace) -> None:
     from engine import LLM, SamplingParams
 
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    rows = []
+    rows, used = [], {}  # used: each context's prompt length
     for kv in args.kv_dtypes:
         for context in args.contexts:
             copies = max(args.batches) if args.distinct else 2
@@ -117,6 +119,7 @@ def cmd_decode(args: argparse.Namespace) -> None:
             ) as llm:
                 vocab = llm.engine.model_config.vocab_size
                 n = min(context, llm.engine.max_model_len - 40)  # room for the 32 tokens
+                used[context] = n
                 prompts = [
                     [100 + (i * 7919 + 31 * j) % (vocab - 200) for i in range(n)]
                     for j in range(max(args.batches) if args.distinct else 1)
@@ -130,10 +133,70 @@ def cmd_decode(args: argparse.Namespace) -> None:
                     )
                     rows.append((kv, context, batch, tpot))
                     print(f"  {kv} {context} x{batch}: {tpot * 1e3:.1f} ms", flush=True)
-    print("\n| KV cache | context | batch | TPOT | tokens/s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    llama = llama_decode(args, used) if args.llama_batched_bench else {}
+    vs = " vs llama.cpp |" if llama else ""
+    print(f"\n| KV cache | context | batch | TPOT | tokens/s |{vs}")
+    print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if llama else ""))
+    for (context, batch), tpot in sorted(llama.items()):
+        tps = batch / tpot
+        print(
+            f"| llama.cpp (F16) | {context} | {batch} | {tpot * 1e3:.1f} ms | {tps:.1f} | 1.00x |"
+        )
     for kv, context, batch, tpot in rows:
-        print(f"| {kv} | {context} | {batch} | {tpot * 1e3:.1f} ms | {batch / tpot:.1f} |")
+        theirs = llama.get((context, batch))
+        end = f" {tpot / theirs:.2f}x |" if theirs else (" |" if llama else "")
+        print(f"| {kv} | {context} | {batch} | {tpot * 1e3:.1f} ms | {batch / tpot:.1f} |{end}")
+
+
+def llama_rope_args(rope_scaling: str | None) -> list[str]:
+    """--rope-scaling (the engine's JSON) as llama.cpp's flags: linear and YaRN."""
+    if not rope_scaling:
+        return []
+    import json
+
+    r = json.loads(rope_scaling)
+    kind, factor = r.get("rope_type", r.get("type")), str(r["factor"])
+    if kind == "linear":
+        return ["--rope-scaling", "linear", "--rope-scale", factor]
+    if kind == "yarn":
+        orig = str(r.get("original_max_position_embeddings", 8192))
+        return ["--rope-scaling", "yarn", "--rope-scale", factor, "--yarn-orig-ctx", orig]
+    raise SystemExit(f"--llama-batched-bench: no llama.cpp flags for rope_type {kind!r}")
+
+
+def llama_decode(args: argparse.Namespace, used: dict[int, int]) -> dict[tuple[int, int], float]:
+    """llama.cpp's llama-batched-bench on the model's GGUF at the same contexts (the engine's
+    prompt lengths, ``used``) and batches, 32 tokens, the engine's thread count, its defaults
+    otherwise (F16 KV, flash attention auto): the prompt computed once (-pps) and, like the
+    engine's shared prompt, one copy of its KV in a unified cache (-kvu); with --distinct a copy
+    per sequence (-no-kvu), as the engine's distinct prompts read batch x context. TPOT = the
+    time of its 32 batch steps / 32. {(context, batch): TPOT in seconds}."""
+    import json
+    import subprocess
+
+    import torch
+
+    from engine.bench.servers import gguf_file
+
+    gguf, threads = gguf_file("default"), str(torch.get_num_threads())
+    out: dict[tuple[int, int], float] = {}
+    for context, n in used.items():
+        b = max(args.batches)
+        cells = (b * (n + 32) if args.distinct else n + b * 32) + 256
+        cmd = [args.llama_batched_bench, "-m", gguf, "-t", threads, "-tb", threads]
+        cmd += ["-c", str(cells), "-npp", str(n), "-ntg", "32", "-pps", "--output-format", "jsonl"]
+        cmd += ["-npl", ",".join(str(x) for x in args.batches)]
+        cmd += ["-no-kvu" if args.distinct else "-kvu", *llama_rope_args(args.rope_scaling)]
+        print("  " + " ".join(cmd), flush=True)
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"llama-batched-bench failed ({res.returncode}): {res.stderr[-2000:]}")
+        for line in (res.stdout + res.stderr).splitlines():
+            if line.startswith("{") and "speed_tg" in line:
+                r = json.loads(line)
+                out[(context, r["pl"])] = r["t_tg"] / r["tg"]
+                print(f"  llama.cpp {context} x{r['pl']}: {r['t_tg'] / r['tg'] * 1e3:.1f} ms")
+    return out
 
 
 def cmd_prefill(args: argparse.Namespace) -> None:
@@ -182,6 +245,12 @@ def main() -> None:
         action="store_true",
         help="a prompt of its own per request (each step reads batch x context of KV; without "
         "it the batch shares one prompt's blocks, which stay in the CPU's caches)",
+    )
+    d.add_argument(
+        "--llama-batched-bench",
+        metavar="PATH",
+        help="llama.cpp's llama-batched-bench: the same contexts and batches on its side, in the "
+        "same run, with a ratio column (docs/cpu.md builds it)",
     )
     d.set_defaults(func=cmd_decode)
     f = sub.add_parser("prefill", help="TTFT of a unique prompt per KV dtype")

@@ -170,7 +170,12 @@ def test_bench_product_peak_builds_for_the_class_and_times_its_mixes():
     """``bench_product_peak.py`` builds profiling/product_peak.c with the engine's target flags:
     under the AVX2 cap only the ymm mixes, each with a positive rate, and no torch warning."""
     out = subprocess.run(
-        [sys.executable, os.path.join(PROFILING, "bench_product_peak.py"), "--iterations", "1000"],
+        [
+            sys.executable,
+            os.path.join(PROFILING, "bench_product_peak.py"),
+            "--iterations",
+            "200000",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -188,3 +193,40 @@ def test_bench_product_peak_builds_for_the_class_and_times_its_mixes():
     assert [r[1] for r in rows] == ["8", "16", "32"]
     assert all(float(r[2]) > 0 for r in rows)
     assert "torch was imported before engine" not in out.stderr
+
+
+FAKE_BATCHED_BENCH = """#!{python}
+# llama-batched-bench's contract as bench_kv_dtype.py uses it: one JSONL row per -npl entry
+import json, sys
+a = sys.argv[1:]
+open({log!r}, "a").write(" ".join(a) + "\\n")
+for pl in a[a.index("-npl") + 1].split(","):
+    row = dict(pp=int(a[a.index("-npp") + 1]), tg=32, pl=int(pl), t_tg=1.024 * int(pl))
+    print(json.dumps({{**row, "speed_tg": 1.0}}))
+"""
+
+
+def test_bench_kv_dtype_decode_runs_llama_batched_bench_beside_the_engine(tmp_path):
+    """``bench_kv_dtype.py decode --llama-batched-bench PATH`` runs llama.cpp's benchmark at the
+    engine's prompt lengths and batches (prompt once, one KV copy; YaRN mapped to its flags) and
+    prints its rows and the engine's ratio to them."""
+    log = tmp_path / "args.txt"
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text(FAKE_BATCHED_BENCH.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    yarn = '{"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}'
+    cmd = [sys.executable, os.path.join(PROFILING, "bench_kv_dtype.py"), "decode"]
+    cmd += ["--contexts", "64", "--batches", "1", "2", "--kv-dtypes", "auto"]
+    cmd += ["--rope-scaling", yarn, "--llama-batched-bench", str(fake)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    args = log.read_text().split()
+    assert args[args.index("-npp") + 1] == "64" and args[args.index("-npl") + 1] == "1,2"
+    assert "-pps" in args and "-kvu" in args
+    assert args[args.index("--rope-scaling") + 1] == "yarn"
+    assert args[args.index("--rope-scale") + 1] == "2.0"
+    assert args[args.index("--yarn-orig-ctx") + 1] == "8192"
+    table = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert "| llama.cpp (F16) | 64 | 2 | 64.0 ms | 31.2 | 1.00x |" in table
+    engine = [row for row in table if row.startswith("| auto | 64 |")]
+    assert len(engine) == 2 and all(row.endswith("x |") for row in engine)
