@@ -468,11 +468,18 @@ def main() -> int:
     trace = res["workloads"].get("trace")
     q8 = q8_gemm_gmac_s() if trace else None
     if q8:  # the least mean TTFT the trace allows at the engine's fastest products
-        from engine.config import CacheConfig  # the engine's default block size
+        from engine.config import CacheConfig
         from engine.model.gguf_loader import config_from_gguf, read_gguf
 
+        block = CacheConfig().block_size  # the engine's, its prefix cache's unit
+        a = shlex.split(args.engine_args)
+        for i, t in enumerate(a):
+            if t == "--block-size" and i + 1 < len(a):
+                block = int(a[i + 1])
+            elif t.startswith("--block-size="):
+                block = int(t.split("=", 1)[1])
         cfg = config_from_gguf(*read_gguf(gguf), gguf)
-        macs = workload_macs(cfg, trace_prompts, CacheConfig().block_size)
+        macs = workload_macs(cfg, trace_prompts, block)
         peer = trace.get("llama-server", {}).get("ttft_mean_s")
         print(floor_line(macs, q8[0], f"the engine's W8A8 GEMM rate now ({q8[1]})", peer))
     b1 = res["workloads"].get("batch1", {})

@@ -73,7 +73,8 @@ def floor_line(
         raise ValueError(f"rate_gmac_s must be > 0, got {rate_gmac_s}")
     mean = sum(macs) / len(macs) / (rate_gmac_s * 1e9)
     line = (
-        f"floor: {sum(macs) / 1e12:.2f} T multiply-adds ({len(macs)} requests, prefix cache "
+        f"floor: {sum(macs) / 1e12:.2f} T multiply-adds ({len(macs)} "
+        f"request{'s' if len(macs) != 1 else ''}, prefix cache "
         f"reuse counted) at {what} ({rate_gmac_s:.0f} GMAC/s): mean TTFT >= {mean:.2f} s"
     )
     if peer_ttft_s:
